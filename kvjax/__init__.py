@@ -1,0 +1,9 @@
+"""kvjax: KV-cache eviction for long-context LLM inference in JAX."""
+
+from kvjax.cache import KVCache
+from kvjax.generate import GenerateOutput, generate
+from kvjax.models import Model, ModelConfig, load_model
+from kvjax.sharding import make_mesh
+
+__all__ = ["GenerateOutput", "KVCache", "Model", "ModelConfig", "generate", "load_model", "make_mesh"]
+__version__ = "0.1.0"

@@ -1,0 +1,126 @@
+"""The fixed-shape KV cache: a pytree of post-RoPE keys/values with positions and a valid mask.
+
+Shapes (L layers, B rows, Hkv KV heads, C slots per head, D head dim):
+  k, v   [L, B, Hkv, C, D]  model dtype, keys stored after RoPE at their original position
+  pos    [L, B, Hkv, C]     int32 original absolute position of each slot, -1 where empty
+  valid  [L, B, Hkv, C]     bool
+
+Slot order carries no meaning (keys carry their rotation); attention masks by `valid` and by
+position. New tokens take the first free slots of each (layer, row, head): `write_slots`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class KVCache:
+    k: jax.Array
+    v: jax.Array
+    pos: jax.Array
+    valid: jax.Array
+
+    @classmethod
+    def init(cls, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: Any) -> "KVCache":
+        """An empty cache (zeros, every slot invalid)."""
+        shape = (num_layers, batch, num_kv_heads, capacity)
+        return cls(
+            k=jnp.zeros(shape + (head_dim,), dtype),
+            v=jnp.zeros(shape + (head_dim,), dtype),
+            pos=jnp.full(shape, -1, jnp.int32),
+            valid=jnp.zeros(shape, jnp.bool_),
+        )
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[3]
+
+    def write_slots(self, n: int) -> jax.Array:
+        """Per-head write slots `[L, B, Hkv, n]`: the first `n` free slots of each head, in slot order.
+
+        The caller sizes the capacity so that `n` free slots exist (the engine checks this on the host).
+        """
+        if n == 1:  # the decode hot path: O(C) instead of a sort
+            return jnp.argmin(self.valid, axis=-1)[..., None].astype(jnp.int32)
+        return jnp.argsort(self.valid, axis=-1, stable=True)[..., :n].astype(jnp.int32)
+
+    def append(self, k_new: jax.Array, v_new: jax.Array, pos_new: jax.Array) -> "KVCache":
+        """Writes `n` new tokens into each head's first free slots.
+
+        k_new, v_new: [L, B, Hkv, n, D]; pos_new: [B, n] int32 (-1 marks padding, written as invalid).
+        """
+        n = pos_new.shape[1]
+        slots = self.write_slots(n)
+        return self.scatter(slots, k_new, v_new, pos_new)
+
+    def scatter(self, slots: jax.Array, k_new: jax.Array, v_new: jax.Array, pos_new: jax.Array) -> "KVCache":
+        """Writes new entries at explicit `slots [L, B, Hkv, n]`; see `append`."""
+        L, B, H, _ = slots.shape
+        li, bi, hi = jnp.meshgrid(jnp.arange(L), jnp.arange(B), jnp.arange(H), indexing="ij")
+        idx = (li[..., None], bi[..., None], hi[..., None], slots)
+        pos = jnp.broadcast_to(pos_new[None, :, None, :], slots.shape).astype(jnp.int32)
+        return self.replace(
+            k=self.k.at[idx].set(k_new.astype(self.k.dtype)),
+            v=self.v.at[idx].set(v_new.astype(self.v.dtype)),
+            pos=self.pos.at[idx].set(pos),
+            valid=self.valid.at[idx].set(pos >= 0),
+        )
+
+    def evict(self, keep: jax.Array) -> "KVCache":
+        """Clears the valid bit (and position) of every slot where `keep [L, B, Hkv, C]` is False."""
+        valid = self.valid & keep
+        return self.replace(valid=valid, pos=jnp.where(valid, self.pos, -1))
+
+    def compact(self, keep: jax.Array, capacity: int) -> tuple["KVCache", jax.Array]:
+        """Gathers the kept, valid slots of each head into a new cache of `capacity` slots.
+
+        Kept slots are placed first, sorted by position; the rest of the buffer is empty.
+        Returns the new cache and `src [L, B, Hkv, capacity]`, the source slot of each new slot
+        (-1 where empty), so that per-slot policy state can follow (`gather_slots`).
+        Raises if some head keeps more than `capacity` slots (checked only outside jit).
+        """
+        keep = keep & self.valid
+        big = jnp.iinfo(jnp.int32).max
+        order_key = jnp.where(keep, self.pos, big)
+        order = jnp.argsort(order_key, axis=-1, stable=True)
+        if order.shape[-1] < capacity:
+            pad = jnp.zeros(order.shape[:-1] + (capacity - order.shape[-1],), order.dtype)
+            order = jnp.concatenate([order, pad], axis=-1)
+        src = order[..., :capacity].astype(jnp.int32)
+        n_keep = keep.sum(-1)
+        filled = jnp.arange(capacity) < n_keep[..., None]
+        if not isinstance(n_keep, jax.core.Tracer) and int(n_keep.max(initial=0)) > capacity:
+            raise ValueError(f"compact: a head keeps {int(n_keep.max())} slots, more than capacity={capacity}")
+        src = jnp.where(filled, src, -1)
+        new = KVCache(
+            k=gather_slots(self.k, src),
+            v=gather_slots(self.v, src),
+            pos=jnp.where(filled, gather_slots(self.pos, src), -1),
+            valid=filled,
+        )
+        return new, src
+
+    def num_valid(self) -> jax.Array:
+        """Entries in use per (layer, row, head) `[L, B, Hkv]`."""
+        return self.valid.sum(-1)
+
+    def nbytes(self) -> int:
+        """Bytes of the allocated buffers (k, v, pos, valid): what the cache really occupies."""
+        return sum(int(x.size) * x.dtype.itemsize for x in (self.k, self.v, self.pos, self.valid))
+
+    def nbytes_in_use(self) -> int:
+        """Bytes of keys and values in valid slots (the logical size of what is kept)."""
+        per_entry = 2 * self.k.shape[-1] * self.k.dtype.itemsize
+        return int(jax.device_get(self.valid.sum())) * per_entry
+
+
+def gather_slots(x: jax.Array, src: jax.Array) -> jax.Array:
+    """Gathers per-slot data `x [L, B, Hkv, C, ...]` at `src [L, B, Hkv, C']` (-1 reads slot 0; mask it)."""
+    idx = jnp.maximum(src, 0)
+    idx = idx.reshape(idx.shape + (1,) * (x.ndim - idx.ndim))
+    return jnp.take_along_axis(x, idx, axis=3)

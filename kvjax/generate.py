@@ -1,0 +1,313 @@
+"""The generation engine: bucketed batched prefill -> (compress) -> `lax.while_loop` decode.
+
+Prompts are right-padded to a length bucket; row b's prompt sits in cache slots 0..len_b-1 at
+positions 0..len_b-1, and padding is masked by position -1. Each (bucket, batch size, policy,
+budget, max_new_tokens) compiles one prefill and one decode loop, reused by later calls.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import KVCache, gather_slots
+from kvjax.models.config import ModelConfig
+from kvjax.models.llama import Observe, extend
+from kvjax.models.model import Model
+from kvjax.sampling import Sampler
+
+BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+# Compilations so far, per jitted function (traced once per distinct static configuration).
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+    """tokens [B, max_new_tokens] int32 (padded with `pad_id` after a stop token);
+    lengths [B]: generated tokens per row, the stop token included; texts: decoded answers
+    (None without a tokenizer); prompt_lengths [B]; cache_bytes: allocated bytes of the decode cache;
+    kept [B]: KV entries kept per (layer, head) after prefill compression, averaged over layers and heads."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    texts: list[str] | None
+    prompt_lengths: np.ndarray
+    cache_bytes: int
+    kept: np.ndarray
+    pad_id: int = 0
+
+
+def bucket_length(n: int, buckets: Sequence[int] = BUCKETS) -> int:
+    """The smallest bucket >= n (multiples of the largest bucket beyond it)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    top = buckets[-1]
+    return -(-n // top) * top
+
+
+def encode_prompts(model: Model, prompts: Any, *, chat_template: bool = False, what: str = "prompts") -> list[list[int]]:
+    """Strings (tokenized, optionally chat-templated) or token-id sequences -> lists of ids."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        prompts = list(prompts)
+    if not isinstance(prompts, Sequence) and not isinstance(prompts, np.ndarray) or len(prompts) == 0:
+        raise ValueError(f"{what} must be a non-empty list of strings or of token-id sequences")
+    vocab = model.config.vocab_size
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            tok = model.tokenizer
+            if tok is None:
+                raise ValueError(f"{what}[{i}] is a string, but the model at {model.path} has no tokenizer: pass token ids")
+            if chat_template:
+                ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            else:
+                ids = tok(p)["input_ids"]
+        else:
+            if chat_template:
+                raise ValueError("chat_template=True needs string prompts, not token ids")
+            arr = np.asarray(p)
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise TypeError(f"{what}[{i}] must be a string or a 1-D sequence of int token ids, got {arr.dtype} {arr.shape}")
+            ids = arr.tolist()
+        if len(ids) == 0:
+            raise ValueError(f"{what}[{i}] is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what}[{i}] has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        out.append(list(ids))
+    return out
+
+
+def _pad(rows: list[list[int]], length: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads to `length`: tokens [B, length] and positions [B, length] (-1 on padding)."""
+    tokens = np.full((len(rows), length), pad_id, np.int32)
+    positions = np.full((len(rows), length), -1, np.int32)
+    for b, r in enumerate(rows):
+        tokens[b, : len(r)] = r
+        positions[b, : len(r)] = np.arange(len(r))
+    return tokens, positions
+
+
+def _constrain(cache: KVCache, mesh) -> KVCache:
+    if mesh is None:
+        return cache
+    from kvjax.sharding import cache_shardings
+
+    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "policy", "plan", "sampler", "mesh"))
+def _prefill(params, tokens, positions, lengths, key, *, cfg: ModelConfig, capacity: int, policy, plan, sampler: Sampler, mesh):
+    """Prefill + optional compression. Returns first-token ids [B], cache, policy state, first logits [B,V]."""
+    TRACE_COUNTS["prefill"] += 1
+    B, T = tokens.shape
+    observe = Observe()
+    window_index = None
+    if policy is not None:
+        req = policy.requirements()
+        observe = Observe(window=req.window, column_mass=req.column_mass)
+        if req.window:
+            window_pos = lengths[:, None] - req.window + jnp.arange(req.window)
+            window_index = jnp.maximum(window_pos, 0)
+    cache = _constrain(KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, T if policy is not None else capacity,
+                                    cfg.head_dim, cfg.jnp_dtype), mesh)
+    logits, cache, obs = extend(params, cfg, cache, tokens, positions, fresh=True, observe=observe,
+                                window_index=window_index, logit_index=(lengths - 1)[:, None])
+    state = None
+    if policy is not None:
+        from kvjax.observations import Observations
+
+        observations = Observations(
+            window_queries=obs.get("window_queries"),
+            window_positions=None if window_index is None else jnp.where(window_pos >= 0, window_pos, -1),
+            column_mass=obs.get("column_mass"),
+            lengths=lengths,
+        )
+        keep, slot_state = policy.prefill_keep(plan, cache, observations)
+        if plan.compact:
+            cache, src = cache.compact(keep, plan.capacity)
+            if slot_state is not None:
+                slot_state = jax.tree.map(lambda x: gather_slots(x, src), slot_state)
+        else:
+            cache = cache.evict(keep)
+            if cache.capacity < capacity:
+                cache, _ = cache.compact(cache.valid, capacity)
+        cache = _constrain(cache, mesh)
+        state = policy.init_decode(plan, cache, slot_state)
+    first = sampler(logits[:, 0], key)
+    return first, cache, state, logits[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
+def _feed(params, cache, tokens, positions, last_index, *, cfg: ModelConfig, mesh):
+    """Appends a chunk (the question) to a filled cache; logits [B,V] at `last_index` [B]."""
+    TRACE_COUNTS["feed"] += 1
+    logits, cache, _ = extend(params, cfg, cache, tokens, positions, fresh=False, logit_index=last_index[:, None])
+    return logits[:, 0], _constrain(cache, mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "plan", "sampler", "stop_ids", "pad_id", "mesh"),
+                   donate_argnames=("cache",))
+def _decode(params, cache, state, first, pos0, key, *, cfg: ModelConfig, steps: int, policy, plan, sampler: Sampler,
+            stop_ids: tuple[int, ...], pad_id: int, mesh):
+    """Decodes `steps - 1` tokens after `first` [B] under `lax.while_loop`; returns tokens [B, steps]."""
+    TRACE_COUNTS["decode"] += 1
+    B = first.shape[0]
+    stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+    decode_time = policy is not None and policy.requirements().step_probs
+    out = jnp.full((B, steps), pad_id, jnp.int32).at[:, 0].set(first)
+    done = jnp.isin(first, stops)
+
+    def cond(c):
+        i, _, _, _, _, _, done, _ = c
+        return (i < steps) & ~jnp.all(done)
+
+    def body(c):
+        i, out, cache, state, last, pos, done, key = c
+        slots = cache.write_slots(1)
+        q_pos = jnp.where(done, -1, pos)[:, None]
+        logits, cache, obs = extend(params, cfg, cache, last[:, None], q_pos, fresh=False,
+                                    observe=Observe(step_probs=decode_time), slots=slots)
+        key, sub = jax.random.split(key)
+        nxt = jnp.where(done, pad_id, sampler(logits[:, 0], sub))
+        out = out.at[:, i].set(nxt)
+        if decode_time:
+            state, keep = policy.decode_update(plan, state, cache, obs["step_probs"], slots[..., 0], i)
+            cache = cache.evict(keep)
+        cache = _constrain(cache, mesh)
+        return i + 1, out, cache, state, nxt, pos + 1, done | jnp.isin(nxt, stops), key
+
+    init = (jnp.int32(1), out, cache, state, first, pos0, done, key)
+    _, out, cache, state, _, _, _, _ = jax.lax.while_loop(cond, body, init)
+    return out, cache
+
+
+def _resolve_policy(policy):
+    if policy is None:
+        return None
+    if isinstance(policy, str):
+        from kvjax import policies
+
+        return policies.get(policy)
+    return policy
+
+
+def generate(
+    model: Model,
+    prompts: Any,
+    *,
+    questions: Any = None,
+    policy: Any = None,
+    budget: int | None = None,
+    compression_ratio: float | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    key: jax.Array | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    chat_template: bool = False,
+    buckets: Sequence[int] = BUCKETS,
+) -> GenerateOutput:
+    """Generates continuations for a batch of prompts of different lengths.
+
+    prompts: strings (needs a tokenizer) or token-id sequences. With `questions`, the prompts are
+      contexts: each context is prefilled (and compressed by `policy`), then its question is fed
+      against that cache and answered from it (kvpress's question-agnostic protocol).
+    policy: None (full cache), a registered name (`kvjax.policies.available()`), or a policy object;
+      with a policy give exactly one of `budget` (entries kept per KV head) or `compression_ratio`.
+    temperature 0 is greedy; otherwise sampling with optional top_k / top_p and a PRNG `key`.
+    stop_tokens: ids that end a row (default: the model's EOS ids).
+    """
+    cfg = model.config
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    sampler = Sampler(float(temperature), top_k, top_p)
+    policy = _resolve_policy(policy)
+    if policy is None and (budget is not None or compression_ratio is not None):
+        raise ValueError("budget / compression_ratio need a policy (policy=None keeps the full cache)")
+    rows = encode_prompts(model, prompts, chat_template=chat_template)
+    q_rows = None
+    if questions is not None:
+        q_rows = encode_prompts(model, questions, what="questions")
+        if len(q_rows) != len(rows):
+            raise ValueError(f"got {len(rows)} prompts but {len(q_rows)} questions: give one question per context")
+    B = len(rows)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    q_lengths = np.array([len(r) for r in q_rows], np.int32) if q_rows else np.zeros(B, np.int32)
+    total = int((lengths + q_lengths).max()) + max_new_tokens
+    if total > cfg.max_position_embeddings:
+        raise ValueError(
+            f"the longest prompt ({int((lengths + q_lengths).max())} tokens) plus max_new_tokens={max_new_tokens} "
+            f"needs {total} positions, more than the model allows (max_position_embeddings={cfg.max_position_embeddings})"
+        )
+    if cfg.sliding_window is not None and total > cfg.sliding_window:
+        raise ValueError(f"sequences of {total} tokens exceed the sliding_window={cfg.sliding_window} of this "
+                         "checkpoint, which kvjax does not implement")
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    if stop_tokens is None:
+        stop = set(cfg.eos_token_ids)
+        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+            stop.add(int(model.tokenizer.eos_token_id))
+        stop_ids = tuple(sorted(stop))
+    else:
+        stop_ids = tuple(sorted({int(t) for t in stop_tokens}))
+    key = jax.random.PRNGKey(0) if key is None else key
+    k_prefill, k_question, k_decode = jax.random.split(key, 3)
+
+    T = bucket_length(int(lengths.max()), buckets)
+    q_bucket = bucket_length(int(q_lengths.max()), buckets) if q_rows else 0
+    room = q_bucket + max_new_tokens
+    plan = None
+    if policy is not None:
+        plan = policy.plan(tuple(int(x) for x in lengths), cfg.num_layers, cfg.num_kv_heads, budget=budget,
+                           compression_ratio=compression_ratio, max_new_tokens=room, bucket=T)
+    capacity = T + room
+    tokens, positions = _pad(rows, T, pad_id)
+    data = _batch_put(model.mesh, tokens, positions, lengths)
+    first, cache, state, _ = _prefill(model.params, *data, k_prefill, cfg=cfg, capacity=capacity, policy=policy,
+                                      plan=plan, sampler=sampler, mesh=model.mesh)
+    kept = np.asarray(jax.device_get(cache.num_valid().astype(jnp.float32).mean(axis=(0, 2))))
+    pos0 = jnp.asarray(lengths)
+    if q_rows:
+        q_tokens, q_pos = _pad(q_rows, q_bucket, pad_id)
+        q_pos = np.where(q_pos >= 0, q_pos + lengths[:, None], -1).astype(np.int32)
+        logits, cache = _feed(model.params, cache, *_batch_put(model.mesh, q_tokens, q_pos, q_lengths - 1),
+                              cfg=cfg, mesh=model.mesh)
+        first = sampler(logits, k_question)
+        pos0 = jnp.asarray(lengths + q_lengths)
+    cache_bytes = cache.nbytes()
+    out, _ = _decode(model.params, cache, state, first, pos0, k_decode, cfg=cfg, steps=int(max_new_tokens),
+                     policy=policy, plan=plan, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id, mesh=model.mesh)
+    out = np.asarray(jax.device_get(out))
+    out_lengths = np.full(B, max_new_tokens, np.int32)
+    texts = [] if model.tokenizer is not None else None
+    for b in range(B):
+        hit = np.flatnonzero(np.isin(out[b], stop_ids)) if stop_ids else []
+        if len(hit):
+            out_lengths[b] = hit[0] + 1
+            out[b, hit[0] + 1:] = pad_id
+        if texts is not None:
+            texts.append(model.tokenizer.decode(out[b, : out_lengths[b]].tolist(), skip_special_tokens=True))
+    return GenerateOutput(tokens=out, lengths=out_lengths, texts=texts, prompt_lengths=lengths,
+                          cache_bytes=cache_bytes, kept=kept, pad_id=pad_id)
+
+
+def _batch_put(mesh, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
+    """Host arrays -> device arrays, the batch axis sharded over `data` when a mesh is given."""
+    if mesh is None:
+        return tuple(jnp.asarray(a) for a in arrays)
+    from kvjax.sharding import logical_sharding
+
+    return tuple(jax.device_put(a, logical_sharding(("batch",) + (None,) * (a.ndim - 1), a.shape, mesh)) for a in arrays)

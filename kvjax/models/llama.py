@@ -1,0 +1,175 @@
+"""Functional Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3) over a params pytree.
+
+One function, `extend`, runs `n` new tokens through the model against a `KVCache`: a prefill is
+`extend` on an empty cache (`fresh=True`), a question chunk or a decode step is `extend` on a
+filled one. Layers are stacked `[L, ...]` and run under `lax.scan`; GQA queries are reshaped to
+`[B, Hkv, G, n, D]`, keys and values are never repeated.
+
+Params pytree (weights stored `[in, out]`, layers stacked on a leading L axis):
+  embed [V, E]; final_norm [E]; lm_head [E, V] (absent when tied)
+  layers: input_norm [L,E], post_norm [L,E], q [L,E,Hq*D], k/v [L,E,Hkv*D], o [L,Hq*D,E],
+          optional q_bias/k_bias/v_bias, o_bias, q_norm/k_norm [L,D],
+          gate/up [L,E,F], down [L,F,E], optional gate_bias/up_bias/down_bias
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import KVCache
+from kvjax.models.config import ModelConfig
+from kvjax.models.rope import apply_rope, inverse_frequencies, rope_tables
+
+Params = dict[str, Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Observe:
+    """What a forward pass records for the eviction policies (static: part of the compiled shape).
+
+    window: >0 records the post-RoPE queries at `window_index` (the last `window` real tokens).
+    column_mass: records, per key, the attention mass all (valid, causal) queries put on it.
+    step_probs: records the attention probabilities of each query head over the cache slots.
+    """
+
+    window: int = 0
+    column_mass: bool = False
+    step_probs: bool = False
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF RMSNorm: normalise in float32, cast back, then scale."""
+    xf = x.astype(jnp.float32)
+    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight * xf.astype(x.dtype)
+
+
+def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
+    y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    return y if b is None else y + b
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax over the last axis where `mask`; a fully masked row gives zeros, never NaN."""
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(mask, jnp.exp(logits - m), 0.0)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(s > 0, s, 1.0)
+
+
+def attend(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, scale: float
+) -> tuple[jax.Array, jax.Array]:
+    """Causal attention by position over masked slots.
+
+    q [B,Hq,n,D], k/v [B,Hkv,S,D], q_pos [B,n] (-1 = padding query), k_pos [B,Hkv,S] (-1 = empty).
+    Query i sees slot s iff 0 <= k_pos[s] <= q_pos[i]. Returns out [B,Hq,n,D] (q dtype) and
+    probs [B,Hkv,G,n,S] float32.
+    """
+    B, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    qg = q.reshape(B, Hkv, Hq // Hkv, n, D)
+    logits = jnp.einsum("bhgnd,bhsd->bhgns", qg, k, preferred_element_type=jnp.float32) * scale
+    mask = (k_pos[:, :, None, None, :] >= 0) & (k_pos[:, :, None, None, :] <= q_pos[:, None, None, :, None])
+    probs = masked_softmax(logits, mask)
+    out = jnp.einsum("bhgns,bhsd->bhgnd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(B, Hq, n, D), probs
+
+
+def extend(
+    params: Params,
+    cfg: ModelConfig,
+    cache: KVCache,
+    tokens: jax.Array,
+    positions: jax.Array,
+    *,
+    fresh: bool,
+    observe: Observe = Observe(),
+    window_index: jax.Array | None = None,
+    logit_index: jax.Array | None = None,
+    slots: jax.Array | None = None,
+) -> tuple[jax.Array, KVCache, dict[str, jax.Array]]:
+    """Runs `n` new tokens through the model, writing their keys/values into `cache`.
+
+    tokens [B,n] int32; positions [B,n] int32 absolute positions (-1 = padding, never attended or kept).
+    fresh: the cache is empty and the tokens go to slots 0..n-1 (a prefill); attention then reads
+      only the new keys. Otherwise they go to each head's first free slots and attend to the cache.
+    window_index [B,w]: indices into the n tokens whose queries are recorded when observe.window.
+    logit_index [B,k]: indices of the tokens whose logits are returned (all tokens when None).
+    slots [L,B,Hkv,n]: where the new tokens are written (default: `cache.write_slots(n)`).
+    Returns logits [B,n or k,V] float32, the updated cache, and observations:
+      window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32.
+    """
+    B, n = tokens.shape
+    L, Hq, Hkv, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dtype = cfg.jnp_dtype
+    eps = cfg.rms_norm_eps
+    scale = D**-0.5
+    cos, sin = rope_tables(jnp.maximum(positions, 0), inverse_frequencies(cfg), dtype)
+    if not fresh and slots is None:
+        slots = cache.write_slots(n)
+    C = cache.capacity
+    h = params["embed"][tokens].astype(dtype)
+
+    def layer(carry, xs):
+        h, ck, cv, cpos, cvalid = carry
+        lp, l = xs["params"], xs["index"]
+        x = rms_norm(h, lp["input_norm"], eps)
+        q = _linear(x, lp["q"], lp.get("q_bias")).reshape(B, n, Hq, D).transpose(0, 2, 1, 3)
+        k = _linear(x, lp["k"], lp.get("k_bias")).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
+        v = _linear(x, lp["v"], lp.get("v_bias")).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
+        if cfg.qk_norm:
+            q = rms_norm(q, lp["q_norm"], eps)
+            k = rms_norm(k, lp["k_norm"], eps)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
+        if fresh:
+            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (l, 0, 0, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (l, 0, 0, 0, 0))
+            cpos = jax.lax.dynamic_update_slice(cpos, new_pos[None], (l, 0, 0, 0))
+            cvalid = jax.lax.dynamic_update_slice(cvalid, (new_pos >= 0)[None], (l, 0, 0, 0))
+            out, probs = attend(q, k, v, positions, new_pos, scale)
+        else:
+            s = xs["slots"]  # [B, Hkv, n]
+            bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(Hkv), indexing="ij")
+            idx = (l, bi[..., None], hi[..., None], s)
+            ck = ck.at[idx].set(k.astype(ck.dtype))
+            cv = cv.at[idx].set(v.astype(cv.dtype))
+            cpos = cpos.at[idx].set(new_pos)
+            cvalid = cvalid.at[idx].set(new_pos >= 0)
+            layer_pos = jnp.where(cvalid[l], cpos[l], -1)
+            out, probs = attend(q, ck[l], cv[l], positions, layer_pos, scale)
+        attn = out.transpose(0, 2, 1, 3).reshape(B, n, Hq * D)
+        h = h + _linear(attn, lp["o"], lp.get("o_bias"))
+        x = rms_norm(h, lp["post_norm"], eps)
+        gate = _linear(x, lp["gate"], lp.get("gate_bias"))
+        up = _linear(x, lp["up"], lp.get("up_bias"))
+        h = h + _linear(jax.nn.silu(gate) * up, lp["down"], lp.get("down_bias"))
+        obs = {}
+        if observe.window:
+            obs["window_queries"] = jnp.take_along_axis(q, window_index[:, None, :, None], axis=2)
+        if observe.column_mass:
+            valid_q = (positions >= 0)[:, None, None, :, None]
+            mass = jnp.sum(jnp.where(valid_q, probs, 0.0), axis=(2, 3))  # [B, Hkv, keys]
+            obs["column_mass"] = jnp.pad(mass, ((0, 0), (0, 0), (0, C - mass.shape[-1]))) if fresh else mass
+        if observe.step_probs and not fresh:
+            obs["step_probs"] = probs[:, :, :, -1, :]
+        return (h, ck, cv, cpos, cvalid), obs
+
+    xs = {"params": params["layers"], "index": jnp.arange(L)}
+    if not fresh:
+        xs["slots"] = slots
+    (h, ck, cv, cpos, cvalid), obs = jax.lax.scan(layer, (h, cache.k, cache.v, cache.pos, cache.valid), xs)
+    cache = KVCache(k=ck, v=cv, pos=cpos, valid=cvalid)
+    if logit_index is not None:
+        h = jnp.take_along_axis(h, logit_index[..., None], axis=1)
+    h = rms_norm(h, params["final_norm"], eps)
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    logits = jnp.einsum("bne,ev->bnv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return logits, cache, obs

@@ -1,0 +1,44 @@
+"""Rotary position embeddings in HF's half-split ("rotate_half") layout, with llama3 / linear scaling."""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.models.config import ModelConfig
+
+
+def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Per-pair inverse frequencies `[D/2]` (float32), scaled as the checkpoint's rope_type says."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    if cfg.rope_type == "linear":
+        inv = inv / cfg.rope_factor
+    elif cfg.rope_type == "llama3":
+        low_wavelen = cfg.rope_original_max_position / cfg.rope_low_freq_factor
+        high_wavelen = cfg.rope_original_max_position / cfg.rope_high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = np.where(wavelen > low_wavelen, inv / cfg.rope_factor, inv)
+        smooth = (cfg.rope_original_max_position / wavelen - cfg.rope_low_freq_factor) / (
+            cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / cfg.rope_factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = np.where(medium, smoothed, scaled)
+    return inv.astype(np.float32)
+
+
+def rope_tables(positions: jnp.ndarray, inv_freq: np.ndarray, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """cos, sin of shape `positions.shape + [D]`, computed in float32 and cast to `dtype` (as HF does)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
+    """Rotates `x [B,H,T,D]` with tables `[B,T,D]` (broadcast over heads)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, None] + rotated * sin[:, None]

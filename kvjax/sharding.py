@@ -1,0 +1,84 @@
+"""Device meshes and logical-axis sharding rules (batch -> data, heads -> model)."""
+
+from __future__ import annotations
+
+import jax
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from kvjax.models.config import ModelConfig
+
+# logical axis -> mesh axis
+RULES = {"batch": "data", "kv_heads": "model", "heads": "model", "mlp": "model", "vocab": "model"}
+
+# logical axes of every param (kvjax layout, layers stacked on a leading "layers" axis)
+_LAYER_AXES = {
+    "input_norm": ("layers", "embed"),
+    "post_norm": ("layers", "embed"),
+    "q": ("layers", "embed", "heads"),
+    "k": ("layers", "embed", "kv_heads"),
+    "v": ("layers", "embed", "kv_heads"),
+    "o": ("layers", "heads", "embed"),
+    "q_bias": ("layers", "heads"),
+    "k_bias": ("layers", "kv_heads"),
+    "v_bias": ("layers", "kv_heads"),
+    "o_bias": ("layers", "embed"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "gate": ("layers", "embed", "mlp"),
+    "up": ("layers", "embed", "mlp"),
+    "down": ("layers", "mlp", "embed"),
+    "gate_bias": ("layers", "mlp"),
+    "up_bias": ("layers", "mlp"),
+    "down_bias": ("layers", "embed"),
+}
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
+
+
+def make_mesh(data: int | None = None, model: int = 1, devices: list | None = None) -> Mesh:
+    """A ("data", "model") mesh; `data` defaults to all devices not used by `model`."""
+    devices = devices or jax.devices()
+    if model < 1 or len(devices) % model:
+        raise ValueError(f"model={model} must be >= 1 and divide the {len(devices)} devices")
+    data = data or len(devices) // model
+    if data * model > len(devices):
+        raise ValueError(f"mesh data={data} x model={model} needs {data * model} devices; {len(devices)} available")
+    return jax.make_mesh((data, model), ("data", "model"), axis_types=(AxisType.Auto, AxisType.Auto),
+                         devices=devices[: data * model])
+
+
+def logical_sharding(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, units: dict[str, int] | None = None) -> NamedSharding:
+    """Maps logical axes to mesh axes, leaving a dimension replicated when the mesh axis does not divide it.
+
+    units: logical axis -> number of indivisible units in it (e.g. heads), which must divide evenly.
+    """
+    spec = []
+    for name, size in zip(axes, shape):
+        mesh_axis = RULES.get(name)
+        n = (units or {}).get(name, size)
+        if mesh_axis is None or n % mesh.shape[mesh_axis]:
+            spec.append(None)
+        else:
+            spec.append(mesh_axis)
+    return NamedSharding(mesh, P(*spec))
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
+    from kvjax.models.loading import param_shapes
+
+    shapes = param_shapes(cfg)
+    units = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
+    out = {
+        "embed": logical_sharding(("vocab", "embed"), shapes["embed"], mesh),
+        "final_norm": logical_sharding(("embed",), shapes["final_norm"], mesh),
+        "layers": {k: logical_sharding(_LAYER_AXES[k], s, mesh, units) for k, s in shapes["layers"].items()},
+    }
+    if "lm_head" in shapes:
+        out["lm_head"] = logical_sharding(("embed", "vocab"), shapes["lm_head"], mesh)
+    return out
+
+
+def cache_shardings(cache, mesh: Mesh):
+    """Shardings for a KVCache: batch over data, KV heads over model (positions and masks alike)."""
+    full = logical_sharding(CACHE_AXES, cache.k.shape, mesh)
+    meta = NamedSharding(mesh, P(*full.spec[:4]))
+    return type(cache)(k=full, v=full, pos=meta, valid=meta)

@@ -1,0 +1,25 @@
+"""Test setup: CPU only, 8 fake devices (set before any JAX computation)."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+jax.config.update("jax_num_cpu_devices", 8)
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+FIXTURE_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "stories260K-hf"
+
+
+@pytest.fixture(scope="session")
+def stories_path() -> pathlib.Path:
+    """The real stories260K checkpoint from ../shared/fixtures (never copied into the repo)."""
+    if not FIXTURE_DIR.exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"fixture folder {FIXTURE_DIR} is missing in CI")
+        pytest.skip(f"fixture folder {FIXTURE_DIR} is absent (clone with ../shared beside the repo)")
+    return FIXTURE_DIR
