@@ -77,6 +77,8 @@ def encode_prompts(model: Model, prompts: Any, *, chat_template: bool = False, w
             if chat_template:
                 raise ValueError("chat_template=True needs string prompts, not token ids")
             arr = np.asarray(p)
+            if arr.size == 0:
+                raise ValueError(f"{what}[{i}] is empty")
             if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
                 raise TypeError(f"{what}[{i}] must be a string or a 1-D sequence of int token ids, got {arr.dtype} {arr.shape}")
             ids = arr.tolist()
@@ -290,7 +292,7 @@ def generate(
     cache_bytes = cache.nbytes()
     out, _ = _decode(model.params, cache, state, first, pos0, k_decode, cfg=cfg, steps=int(max_new_tokens),
                      policy=policy, plan=plan, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id, mesh=model.mesh)
-    out = np.asarray(jax.device_get(out))
+    out = np.array(jax.device_get(out))
     out_lengths = np.full(B, max_new_tokens, np.int32)
     texts = [] if model.tokenizer is not None else None
     for b in range(B):

@@ -1,0 +1,107 @@
+"""The generation engine: compile counts, context-then-question mode, stop tokens, sharding."""
+
+import jax
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax.generate import TRACE_COUNTS, bucket_length
+
+RNG = np.random.RandomState(1)
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    return kvjax.load_model(stories_path)
+
+
+def _prompts(lengths, vocab=512):
+    return [[1] + RNG.randint(3, vocab, n - 1).tolist() for n in lengths]
+
+
+class _BackendCompiles:
+    """Counts XLA backend compilations while active."""
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __enter__(self):
+        self.count = 0
+
+        def listener(event, duration, **kwargs):
+            if event == self.EVENT:
+                self.count += 1
+
+        self._listener = listener
+        jax.monitoring.register_event_duration_secs_listener(listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+
+
+def test_one_compilation_per_bucket_and_batch(stories):
+    # 5 prompts of different lengths, all in the 64-token bucket
+    assert {bucket_length(n) for n in (33, 40, 47, 55, 64)} == {64}
+    before = dict(TRACE_COUNTS)
+    kvjax.generate(stories, _prompts((33, 40, 47, 55, 64)), max_new_tokens=8, stop_tokens=[])
+    assert TRACE_COUNTS["prefill"] - before.get("prefill", 0) == 1
+    assert TRACE_COUNTS["decode"] - before.get("decode", 0) == 1
+    # other lengths in the same bucket with the same batch size: no compilation at all
+    with _BackendCompiles() as compiles:
+        kvjax.generate(stories, _prompts((35, 61, 42, 50, 58)), max_new_tokens=8, stop_tokens=[])
+    assert compiles.count == 0
+    assert TRACE_COUNTS["prefill"] - before.get("prefill", 0) == 1
+    assert TRACE_COUNTS["decode"] - before.get("decode", 0) == 1
+
+
+def test_context_then_question_equals_one_prompt_with_full_cache(stories):
+    contexts = _prompts((30, 12, 21))
+    questions = [RNG.randint(3, 512, n).tolist() for n in (5, 9, 2)]
+    split = kvjax.generate(stories, contexts, questions=questions, max_new_tokens=12, stop_tokens=[])
+    joined = kvjax.generate(stories, [c + q for c, q in zip(contexts, questions)], max_new_tokens=12, stop_tokens=[])
+    np.testing.assert_array_equal(split.tokens, joined.tokens)
+
+
+def test_stop_tokens_end_rows_and_pad_after(stories):
+    prompts = _prompts((20, 9))
+    free = kvjax.generate(stories, prompts, max_new_tokens=10, stop_tokens=[])
+    stop = int(free.tokens[0, 3])
+    out = kvjax.generate(stories, prompts, max_new_tokens=10, stop_tokens=[stop])
+    first_hit = int(np.flatnonzero(free.tokens[0] == stop)[0])
+    assert out.lengths[0] == first_hit + 1
+    np.testing.assert_array_equal(out.tokens[0, : first_hit + 1], free.tokens[0, : first_hit + 1])
+    assert (out.tokens[0, first_hit + 1:] == out.pad_id).all()
+    # the other row is unaffected by row 0 stopping
+    hit1 = np.flatnonzero(free.tokens[1] == stop)
+    n1 = hit1[0] + 1 if len(hit1) else 10
+    np.testing.assert_array_equal(out.tokens[1, :n1], free.tokens[1, :n1])
+
+
+def test_sampling_is_reproducible_and_key_dependent(stories):
+    prompts = _prompts((16, 30))
+    kw = dict(max_new_tokens=16, temperature=1.0, top_k=50, top_p=0.95, stop_tokens=[])
+    a = kvjax.generate(stories, prompts, key=jax.random.PRNGKey(0), **kw).tokens
+    b = kvjax.generate(stories, prompts, key=jax.random.PRNGKey(0), **kw).tokens
+    c = kvjax.generate(stories, prompts, key=jax.random.PRNGKey(1), **kw).tokens
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    greedy = kvjax.generate(stories, prompts, max_new_tokens=16, stop_tokens=[]).tokens
+    top1 = kvjax.generate(stories, prompts, key=jax.random.PRNGKey(5), **{**kw, "top_k": 1}).tokens
+    np.testing.assert_array_equal(top1, greedy)
+
+
+def test_sharded_generation_equals_single_device(stories_path):
+    assert len(jax.devices()) == 8
+    prompts = _prompts((10, 37, 22, 50))
+    single = kvjax.generate(kvjax.load_model(stories_path), prompts, max_new_tokens=12, stop_tokens=[])
+    mesh = kvjax.make_mesh(data=2, model=4)
+    sharded_model = kvjax.load_model(stories_path, mesh=mesh)
+    q = sharded_model.params["layers"]["q"]
+    assert q.sharding.spec[2] == "model" and len(q.sharding.device_set) == 8
+    sharded = kvjax.generate(sharded_model, prompts, max_new_tokens=12, stop_tokens=[])
+    np.testing.assert_array_equal(sharded.tokens, single.tokens)
+
+
+def test_mesh_rejects_bad_shape():
+    with pytest.raises(ValueError, match="model=3"):
+        kvjax.make_mesh(model=3)
