@@ -85,7 +85,7 @@ def attend(
 def extend(
     params: Params,
     cfg: ModelConfig,
-    cache: KVCache,
+    cache: KVCache | None,
     tokens: jax.Array,
     positions: jax.Array,
     *,
@@ -94,15 +94,18 @@ def extend(
     window_index: jax.Array | None = None,
     logit_index: jax.Array | None = None,
     slots: jax.Array | None = None,
+    remat: bool = False,
 ) -> tuple[jax.Array, KVCache, dict[str, jax.Array]]:
     """Runs `n` new tokens through the model, writing their keys/values into `cache`.
 
     tokens [B,n] int32; positions [B,n] int32 absolute positions (-1 = padding, never attended or kept).
     fresh: the cache is empty and the tokens go to slots 0..n-1 (a prefill); attention then reads
       only the new keys. Otherwise they go to each head's first free slots and attend to the cache.
+      `cache=None` (fresh only) runs without a cache, as in training; the returned cache is None.
     window_index [B,w]: indices into the n tokens whose queries are recorded when observe.window.
     logit_index [B,k]: indices of the tokens whose logits are returned (all tokens when None).
     slots [L,B,Hkv,n]: where the new tokens are written (default: `cache.write_slots(n)`).
+    remat: rematerialise each layer in the backward pass (training).
     Returns logits [B,n or k,V] float32, the updated cache, and observations:
       window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32.
     """
@@ -112,10 +115,13 @@ def extend(
     eps = cfg.rms_norm_eps
     scale = D**-0.5
     cos, sin = rope_tables(jnp.maximum(positions, 0), inverse_frequencies(cfg), dtype)
+    if cache is None and not fresh:
+        raise ValueError("extend: cache=None needs fresh=True")
     if not fresh and slots is None:
         slots = cache.write_slots(n)
-    C = cache.capacity
+    C = n if cache is None else cache.capacity
     h = params["embed"][tokens].astype(dtype)
+    observe_any = bool(observe.window or observe.column_mass or observe.step_probs)
 
     def layer(carry, xs):
         h, ck, cv, cpos, cvalid = carry
@@ -129,7 +135,15 @@ def extend(
             k = rms_norm(k, lp["k_norm"], eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
-        if fresh:
+        if fresh and ck is None and not observe_any:
+            # no cache and no observations (training): padding is on the right, so a real query sees
+            # only real keys under the causal mask alone, and the fused XLA attention applies
+            out = jax.nn.dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
+                                               v.transpose(0, 2, 1, 3), scale=scale, is_causal=True)
+            out, probs = out.transpose(0, 2, 1, 3), None
+        elif fresh and ck is None:
+            out, probs = attend(q, k, v, positions, new_pos, scale)
+        elif fresh:
             ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (l, 0, 0, 0, 0))
             cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (l, 0, 0, 0, 0))
             cpos = jax.lax.dynamic_update_slice(cpos, new_pos[None], (l, 0, 0, 0))
@@ -165,8 +179,11 @@ def extend(
     xs = {"params": params["layers"], "index": jnp.arange(L)}
     if not fresh:
         xs["slots"] = slots
-    (h, ck, cv, cpos, cvalid), obs = jax.lax.scan(layer, (h, cache.k, cache.v, cache.pos, cache.valid), xs)
-    cache = KVCache(k=ck, v=cv, pos=cpos, valid=cvalid)
+    if remat:
+        layer = jax.checkpoint(layer)
+    init = (h, None, None, None, None) if cache is None else (h, cache.k, cache.v, cache.pos, cache.valid)
+    (h, ck, cv, cpos, cvalid), obs = jax.lax.scan(layer, init, xs)
+    cache = None if cache is None else KVCache(k=ck, v=cv, pos=cpos, valid=cvalid)
     if logit_index is not None:
         h = jnp.take_along_axis(h, logit_index[..., None], axis=1)
     h = rms_norm(h, params["final_norm"], eps)
