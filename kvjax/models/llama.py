@@ -82,6 +82,36 @@ def attend(
     return out.astype(q.dtype).reshape(B, Hq, n, D), probs
 
 
+def attend_blocked(
+    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, scale: float, block: int,
+    column_mass: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+    """`attend` over query blocks of `block` rows, so no `[n, S]` score matrix exists at once.
+
+    Returns out [B,Hq,n,D] and, when asked, the column mass [B,Hkv,S] float32: for every key, the
+    attention probability summed over all valid queries and over the query group.
+    """
+    B, Hq, n, D = q.shape
+    nb = n // block
+    qb = q.reshape(B, Hq, nb, block, D).transpose(2, 0, 1, 3, 4)
+    pb = q_pos.reshape(B, nb, block).transpose(1, 0, 2)
+
+    def one(mass, xs):
+        qi, pi = xs
+        out, probs = attend(qi, k, v, pi, k_pos, scale)
+        if column_mass:
+            mass = mass + jnp.sum(jnp.where((pi >= 0)[:, None, None, :, None], probs, 0.0), axis=(2, 3))
+        return mass, out
+
+    mass0 = jnp.zeros(k.shape[:3], jnp.float32)
+    mass, out = jax.lax.scan(one, mass0, (qb, pb))
+    out = out.transpose(1, 2, 0, 3, 4).reshape(B, Hq, n, D)
+    return out, (mass if column_mass else None)
+
+
+QUERY_BLOCK = 1024  # prefills longer than this attend in query blocks
+
+
 def extend(
     params: Params,
     cfg: ModelConfig,
@@ -141,14 +171,17 @@ def extend(
             out = jax.nn.dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
                                                v.transpose(0, 2, 1, 3), scale=scale, is_causal=True)
             out, probs = out.transpose(0, 2, 1, 3), None
-        elif fresh and ck is None:
-            out, probs = attend(q, k, v, positions, new_pos, scale)
         elif fresh:
-            ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (l, 0, 0, 0, 0))
-            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (l, 0, 0, 0, 0))
-            cpos = jax.lax.dynamic_update_slice(cpos, new_pos[None], (l, 0, 0, 0))
-            cvalid = jax.lax.dynamic_update_slice(cvalid, (new_pos >= 0)[None], (l, 0, 0, 0))
-            out, probs = attend(q, k, v, positions, new_pos, scale)
+            if ck is not None:
+                ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (l, 0, 0, 0, 0))
+                cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (l, 0, 0, 0, 0))
+                cpos = jax.lax.dynamic_update_slice(cpos, new_pos[None], (l, 0, 0, 0))
+                cvalid = jax.lax.dynamic_update_slice(cvalid, (new_pos >= 0)[None], (l, 0, 0, 0))
+            if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
+                out, mass = attend_blocked(q, k, v, positions, new_pos, scale, QUERY_BLOCK, observe.column_mass)
+                probs = None
+            else:
+                out, probs = attend(q, k, v, positions, new_pos, scale)
         else:
             s = xs["slots"]  # [B, Hkv, n]
             bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(Hkv), indexing="ij")
@@ -169,8 +202,9 @@ def extend(
         if observe.window:
             obs["window_queries"] = jnp.take_along_axis(q, window_index[:, None, :, None], axis=2)
         if observe.column_mass:
-            valid_q = (positions >= 0)[:, None, None, :, None]
-            mass = jnp.sum(jnp.where(valid_q, probs, 0.0), axis=(2, 3))  # [B, Hkv, keys]
+            if probs is not None:
+                valid_q = (positions >= 0)[:, None, None, :, None]
+                mass = jnp.sum(jnp.where(valid_q, probs, 0.0), axis=(2, 3))  # [B, Hkv, keys]
             obs["column_mass"] = jnp.pad(mass, ((0, 0), (0, 0), (0, C - mass.shape[-1]))) if fresh else mass
         if observe.step_probs and not fresh:
             obs["step_probs"] = probs[:, :, :, -1, :]
