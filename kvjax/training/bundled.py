@@ -49,16 +49,12 @@ def model_config(spec: dict[str, Any], tokenizer) -> ModelConfig:
 
 
 def render(sample: dict[str, Any], tokenizer) -> tuple[list[int], list[int]]:
-    """(prompt ids as the evaluation feeds them, target ids = answer + end-of-turn).
-
-    Several answers are joined as RULER's own outputs are: by spaces for variable tracking (as in
-    its one-shot example), by commas otherwise.
-    """
+    """(prompt ids as the evaluation feeds them, target ids = the task's canonical completion + end-of-turn)."""
     from kvjax.eval.prompts import build_prompt, encode_prompt
+    from kvjax.eval.tasks.targets import completion
 
     context, question = encode_prompt(build_prompt(sample, tokenizer), tokenizer)
-    sep = " " if sample["task"] == "vt" else ", "
-    answer = tokenizer.encode(" " + sep.join(sample["answers"]), add_special_tokens=False)
+    answer = tokenizer.encode(completion(sample), add_special_tokens=False)
     return context + question, answer + [tokenizer.eos_token_id]
 
 

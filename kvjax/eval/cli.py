@@ -1,0 +1,301 @@
+"""``python -m kvjax.eval``: argument parsing, configuration, task generation, run, report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import warnings
+from typing import Any
+
+DEFAULTS: dict[str, Any] = {
+    "model": "bundled",
+    "tasks": ["default"],
+    "policies": ["all"],
+    "compression_ratios": [0.25, 0.5, 0.75, 0.875],
+    "budgets": [],
+    "context_length": 1024,
+    "num_samples": 8,
+    "seed": 42,
+    "out": None,
+    "query_aware": False,
+    "batch_size": 8,
+    "max_new_tokens": None,
+    "data": {},
+    "words": "builtin",
+    "niah_lengths": None,
+    "niah_depths": None,
+    "niah_haystack": "essay",
+    "fidelity_tokens": 32,
+}
+# Settings that change what a sample or its answer is: a rerun into the same folder must keep them.
+RUN_IDENTITY = ("model", "context_length", "seed", "query_aware", "max_new_tokens", "data", "words",
+                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens")
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+EPILOG = """\
+tasks and suites:
+  suites: default (RULER needle tasks + vt: what the bundled model is scored on), ruler (13),
+  synthetic (everything generated from code), longbench (16, local files), math (local files).
+  --list prints every task and policy. RULER tasks are generated offline, fitted to the model's
+  tokenizer and --context-length; tasks needing outside data read --data files or are skipped
+  with the reason.
+data files (--data NAME=PATH, repeatable):
+  essay (text, or RULER's PaulGrahamEssays.json; default: built-in prose), squad (SQuAD v2 dev
+  JSON, qa_1), hotpotqa (HotpotQA dev-distractor JSON, qa_2), longbench (folder of {task}.jsonl),
+  gsm8k / math500 / aime24 / aime25 (JSONL), fidelity (text), fidelity_ids (.npy/.json ids).
+outputs (in --out):
+  results.jsonl (one line per task, policy, ratio/budget, sample), results.md, results.csv,
+  metrics.json, score_vs_compression.png, niah_heatmaps/, run_config.json. A rerun with the same
+  --out resumes: finished entries are not recomputed; the model, context length, seed and the
+  other sample-defining options must match the folder's run_config.json.
+config files:
+  --config PATH or NAME (configs/eval_NAME.yaml): YAML with the option names as keys
+  (underscores); options given on the command line win. configs/eval_default.yaml holds the
+  defaults used when no config is given.
+"""
+
+
+def _csv(values: list[str] | None) -> list[str] | None:
+    if values is None:
+        return None
+    return [v.strip() for item in values for v in item.split(",") if v.strip()]
+
+
+def _floats(values: list[str] | None, name: str, parser: argparse.ArgumentParser) -> list[float] | None:
+    try:
+        return None if values is None else [float(v) for v in _csv(values)]
+    except ValueError:
+        parser.error(f"{name} takes numbers, got {values}")
+
+
+def _ints(values: list[str] | None, name: str, parser: argparse.ArgumentParser) -> list[int] | None:
+    try:
+        return None if values is None else [int(v) for v in _csv(values)]
+    except ValueError:
+        parser.error(f"{name} takes integers, got {values}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m kvjax.eval", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Evaluate KV-cache eviction policies at several compression ratios (or budgets), plus the "
+                    "full cache, on long-context tasks; write per-sample results, a summary table and a plot.")
+    a = p.add_argument
+    a("--config", help="YAML config file, or a name in configs/ (eval_NAME.yaml)")
+    a("--model", help="'bundled' (the small model shipped in kvjax), a local folder, or a Hub id (default: bundled)")
+    a("--tasks", nargs="+", metavar="TASK", help="task or suite names, space or comma separated (default: default)")
+    a("--policies", nargs="+", metavar="POLICY", help="policy names, or 'all' (default: all registered policies)")
+    a("--compression-ratios", nargs="+", metavar="R",
+      help="fractions of the prompt's KV entries removed, in [0, 1) (default: 0.25 0.5 0.75 0.875)")
+    a("--budgets", nargs="+", metavar="C", help="absolute budgets, entries kept per KV head (replaces the default "
+                                                "ratios unless --compression-ratios is also given)")
+    a("--context-length", type=int, help="prompt + answer tokens each generated sample is fitted to (default: 1024)")
+    a("--num-samples", type=int, help="samples per task (default: 8; the needle grid has one per cell)")
+    a("--seed", type=int, help="seed of the generated tasks (default: 42)")
+    a("--out", help="output folder (default: out/eval/<model>_L<context>_<query mode>_seed<seed>)")
+    a("--query-aware", action=argparse.BooleanOptionalAction, default=None,
+      help="compress the context together with the question (default: no, the question comes after "
+           "compression, as in kvpress)")
+    a("--batch-size", type=int, help="samples per generate call (default: 8)")
+    a("--max-new-tokens", type=int, help="cap on each task's answer length (default: the task's own cap)")
+    a("--data", action="append", metavar="NAME=PATH", help="a local data file or folder (repeatable; see below)")
+    a("--words", choices=["builtin", "wonderwords"],
+      help="word lists for RULER keys and common words (default: builtin)")
+    a("--niah-lengths", nargs="+", metavar="N",
+      help="needle-grid context lengths (default: 1/4..4/4 of --context-length)")
+    a("--niah-depths", nargs="+", metavar="D", help="needle-grid depths in percent (default: 0 25 50 75 100)")
+    a("--niah-haystack", choices=["essay", "noise"], help="needle-grid haystack (default: essay = --data essay or "
+                                                           "built-in prose)")
+    a("--fidelity-tokens", type=int, help="continuation tokens scored by the fidelity task (default: 32)")
+    a("--list", action="store_true", help="list tasks, suites and policies, then exit")
+    a("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def find_config(name: str) -> pathlib.Path:
+    """A config path as given, else configs/eval_NAME.yaml or configs/NAME.yaml under . or the repo root."""
+    direct = pathlib.Path(name)
+    if direct.is_file():
+        return direct
+    for root in (pathlib.Path.cwd(), REPO_ROOT):
+        for cand in (f"eval_{name}.yaml", f"{name}.yaml", name):
+            path = root / "configs" / cand
+            if path.is_file():
+                return path
+    raise FileNotFoundError(f"config {name!r} is not a file, nor configs/eval_{name}.yaml")
+
+
+def load_config(name: str) -> dict[str, Any]:
+    import yaml
+
+    path = find_config(name)
+    cfg = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"config {path} must be a YAML mapping")
+    unknown = sorted(set(cfg) - set(DEFAULTS))
+    if unknown:
+        raise ValueError(f"config {path}: unknown key(s) {unknown}; valid keys: {sorted(DEFAULTS)}")
+    return cfg
+
+
+def available_policies() -> list[str]:
+    """Registered policy names from `kvjax.policies.available()`, or [] (with a warning) if unavailable."""
+    try:
+        from kvjax.policies import available
+
+        return sorted(available())
+    except Exception as err:  # the policies package may be absent or broken in this installation
+        warnings.warn(f"kvjax.policies.available() is not usable ({type(err).__name__}: {err}); "
+                      "only the full cache will run")
+        return []
+
+
+def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
+            policies: list[str] | None = None) -> dict[str, Any]:
+    """Defaults < config file < command line; validated. ``policies``: the valid policy names."""
+    from kvjax.eval.tasks import resolve_tasks
+
+    cfg = dict(DEFAULTS)
+    if args.config:
+        try:
+            cfg.update(load_config(args.config))
+        except (FileNotFoundError, ValueError) as err:
+            parser.error(str(err))
+    cli = {
+        "model": args.model, "tasks": _csv(args.tasks), "policies": _csv(args.policies),
+        "compression_ratios": _floats(args.compression_ratios, "--compression-ratios", parser),
+        "budgets": _ints(args.budgets, "--budgets", parser), "context_length": args.context_length,
+        "num_samples": args.num_samples, "seed": args.seed, "out": args.out, "query_aware": args.query_aware,
+        "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "words": args.words,
+        "niah_lengths": _ints(args.niah_lengths, "--niah-lengths", parser),
+        "niah_depths": _floats(args.niah_depths, "--niah-depths", parser),
+        "niah_haystack": args.niah_haystack, "fidelity_tokens": args.fidelity_tokens,
+    }
+    if args.budgets is not None and args.compression_ratios is None:
+        cli["compression_ratios"] = []
+    cfg.update({k: v for k, v in cli.items() if v is not None})
+    data = dict(cfg.get("data") or {})
+    for item in args.data or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            parser.error(f"--data takes NAME=PATH, got {item!r}")
+        data[name] = path
+    cfg["data"] = data
+
+    try:
+        cfg["tasks"] = resolve_tasks(list(cfg["tasks"]))
+    except ValueError as err:
+        parser.error(str(err))
+    valid = available_policies() if policies is None else sorted(policies)
+    names = list(cfg["policies"] or [])
+    if "all" in names:
+        names = [n for n in names if n != "all"] + [v for v in valid if v not in names]
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        parser.error(f"unknown policy(ies) {', '.join(map(repr, unknown))}. Valid policies: "
+                     f"{', '.join(valid) if valid else '(none registered)'}; or 'all'")
+    cfg["policies"] = names
+    for r in cfg["compression_ratios"]:
+        if not 0.0 <= float(r) < 1.0:
+            parser.error(f"compression ratios must be in [0, 1), got {r}")
+    for b in cfg["budgets"]:
+        if int(b) <= 0:
+            parser.error(f"budgets must be positive, got {b}")
+    for key in ("context_length", "batch_size", "fidelity_tokens"):
+        if int(cfg[key]) <= 0:
+            parser.error(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
+    if int(cfg["num_samples"]) < 0:
+        parser.error(f"--num-samples must be >= 0, got {cfg['num_samples']}")
+    if cfg["max_new_tokens"] is not None and int(cfg["max_new_tokens"]) <= 0:
+        parser.error(f"--max-new-tokens must be positive, got {cfg['max_new_tokens']}")
+    if cfg["out"] is None:
+        tag = pathlib.Path(str(cfg["model"]).rstrip("/")).name or "model"
+        mode = "query-aware" if cfg["query_aware"] else "query-agnostic"
+        cfg["out"] = str(pathlib.Path("out") / "eval" / f"{tag}_L{cfg['context_length']}_{mode}_seed{cfg['seed']}")
+    return cfg
+
+
+def _check_identity(out: pathlib.Path, cfg: dict[str, Any], parser: argparse.ArgumentParser) -> None:
+    path = out / "run_config.json"
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text())
+    diff = [f"{k}: {old.get(k)!r} there, {cfg[k]!r} now" for k in RUN_IDENTITY if old.get(k) != cfg[k]]
+    if diff:
+        parser.error(f"--out {out} holds results of a different run ({'; '.join(diff)}); "
+                     "pass another --out or delete that folder")
+
+
+def list_everything(policies: list[str]) -> str:
+    from kvjax.eval.tasks import SUITES, TASKS
+
+    lines = ["tasks:"] + [f"  {t:28s} {info.description}" for t, info in TASKS.items()]
+    lines += ["suites:"] + [f"  {s:28s} {', '.join(ts)}" for s, ts in SUITES.items()]
+    lines += ["policies:", "  " + (", ".join(policies) if policies else "(none registered)")]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None, *, generate_fn=None, logits_fn=None, tokenizer=None,
+         policies: list[str] | None = None) -> int:
+    """Runs the CLI. Tests inject ``generate_fn`` / ``logits_fn`` / ``tokenizer`` / ``policies``;
+    without ``generate_fn`` the model is loaded and driven through `kvjax.generate`."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.list:
+        print(list_everything(available_policies() if policies is None else sorted(policies)))
+        return 0
+    cfg = resolve(args, parser, policies)
+    out = pathlib.Path(cfg["out"])
+    _check_identity(out, cfg, parser)
+
+    from kvjax.eval import runner
+    from kvjax.eval.prompts import chat_overhead
+    from kvjax.eval.report import write_reports
+    from kvjax.eval.tasks import TASKS, TaskSkipped, generate_task
+
+    if generate_fn is None:
+        from kvjax.eval import engine
+
+        try:
+            model = engine.load(cfg["model"])
+        except (FileNotFoundError, ValueError) as err:
+            parser.error(str(err))
+        tokenizer = model.tokenizer
+        generate_fn = engine.make_generate_fn(model, pad_to=int(cfg["batch_size"])) if tokenizer is not None else None
+        logits_fn = logits_fn or engine.make_logits_fn(model)
+
+    overhead = chat_overhead(tokenizer)
+    samples: dict[str, list[dict[str, Any]]] = {}
+    skipped: dict[str, str] = {}
+    for task in cfg["tasks"]:
+        options: dict[str, Any] = {}
+        if task == "niah_grid":
+            options = {"lengths": cfg["niah_lengths"], "depths": cfg["niah_depths"], "haystack": cfg["niah_haystack"]}
+        elif task == "fidelity":
+            options = {"continuation_tokens": cfg["fidelity_tokens"]}
+        try:
+            made = generate_task(task, tokenizer, int(cfg["context_length"]), int(cfg["num_samples"]),
+                                 seed=int(cfg["seed"]), overhead=overhead, data=cfg["data"], words=cfg["words"],
+                                 **options)
+        except TaskSkipped as why:
+            skipped[task] = str(why)
+            print(f"skipping {task}: {why}", file=sys.stderr)
+            continue
+        if cfg["max_new_tokens"] is not None:
+            for s in made:
+                s["max_new_tokens"] = min(s["max_new_tokens"], int(cfg["max_new_tokens"]))
+        if made:
+            samples[task] = made
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    settings = runner.make_settings(cfg["policies"], cfg["compression_ratios"], cfg["budgets"])
+    rows = runner.run(samples, settings, out, metrics={t: TASKS[t].metric for t in samples},
+                      generate_fn=generate_fn, logits_fn=logits_fn, query_aware=bool(cfg["query_aware"]),
+                      batch_size=int(cfg["batch_size"]), progress=not args.no_progress)
+    mode = "query-aware" if cfg["query_aware"] else "query-agnostic"
+    title = f"{cfg['model']}, context {cfg['context_length']}, {mode}"
+    write_reports(out, rows, list(samples), settings, skipped=skipped, title=title)
+    print(f"results in {out}")
+    return 0

@@ -1,0 +1,89 @@
+"""The real model behind the runner: `kvjax.load_model` and `kvjax.generate`, wrapped as the
+runner's ``generate_fn`` / ``logits_fn``. Imported only when a real run needs it.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Any
+
+from kvjax.eval.prompts import build_prompt, encode_prompt
+
+BUNDLED_MODEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "assets" / "model"
+
+
+def resolve_model(spec: str | None) -> str:
+    """``bundled`` (or None) -> the model shipped in the package; anything else is a folder or Hub id."""
+    if spec in (None, "bundled"):
+        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the bundled model is not in this installation ({BUNDLED_MODEL_DIR} has no config.json); "
+                "pass --model with a local folder or a Hub id")
+        return str(BUNDLED_MODEL_DIR)
+    return str(spec)
+
+
+def load(spec: str | None) -> Any:
+    """The `kvjax.models.Model` for ``spec`` (see `resolve_model`)."""
+    from kvjax.models import load_model
+
+    return load_model(resolve_model(spec))
+
+
+def _split_ids(samples: list[dict[str, Any]], tokenizer: Any, query_aware: bool) -> tuple[list, list]:
+    contexts, questions = [], []
+    for s in samples:
+        ctx, q = encode_prompt(build_prompt(s, tokenizer, query_aware), tokenizer)
+        if not q:  # nothing to feed after compression: the last context token becomes the question
+            ctx, q = ctx[:-1], ctx[-1:]
+        contexts.append(ctx)
+        questions.append(q)
+    return contexts, questions
+
+
+def make_generate_fn(model: Any, pad_to: int | None = None):
+    """A runner ``generate_fn`` calling `kvjax.generate` in context-then-question mode, greedy.
+
+    pad_to: batches smaller than this are padded with copies of their last row (answers dropped),
+    so that a partial last batch reuses the compiled program of the full ones.
+    """
+    tokenizer = model.tokenizer
+    if tokenizer is None:
+        raise ValueError(f"the model at {model.path} has no tokenizer: only the fidelity task can run on it")
+
+    def generate_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
+                    budget: int | None, query_aware: bool) -> list[dict[str, Any]]:
+        from kvjax.generate import generate
+
+        n = len(samples)
+        contexts, questions = _split_ids(samples, tokenizer, query_aware)
+        extra = max(0, (pad_to or 0) - n)
+        out = generate(model, contexts + contexts[-1:] * extra, questions=questions + questions[-1:] * extra,
+                       policy=policy, compression_ratio=compression_ratio, budget=budget,
+                       max_new_tokens=max(s["max_new_tokens"] for s in samples))
+        texts = out.texts if out.texts is not None else [
+            tokenizer.decode(out.tokens[b, : out.lengths[b]].tolist(), skip_special_tokens=True) for b in range(n)]
+        return [{"text": texts[b], "kept": float(out.kept[b]), "generated_tokens": int(out.lengths[b]),
+                 "prompt_tokens": len(contexts[b]) + len(questions[b]), "batch_cache_bytes": int(out.cache_bytes)}
+                for b in range(n)]
+
+    return generate_fn
+
+
+def make_logits_fn(model: Any):
+    """A runner ``logits_fn``: needs ``kvjax.generate.continuation_logits`` from the engine."""
+
+    def logits_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
+                  budget: int | None) -> list[Any]:
+        import kvjax.generate as engine
+
+        if not hasattr(engine, "continuation_logits"):
+            raise NotImplementedError(
+                "the fidelity task needs kvjax.generate.continuation_logits(model, contexts, continuations, *, "
+                "policy, compression_ratio, budget) -> list of [T, V] logits; this engine has none yet")
+        contexts = [s["metadata"]["context_ids"] for s in samples]
+        continuations = [s["metadata"]["continuation_ids"] for s in samples]
+        return list(engine.continuation_logits(model, contexts, continuations, policy=policy,
+                                               compression_ratio=compression_ratio, budget=budget))
+
+    return logits_fn

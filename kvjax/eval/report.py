@@ -1,0 +1,206 @@
+"""Summaries of result rows: a table (stdout, Markdown, CSV, JSON), a score-vs-compression plot, and
+needle-grid heatmaps. Task score = mean of per-sample scores x 100, rounded to 2 decimals; ``avg``
+is the unweighted mean over the tasks (fidelity excluded when other tasks are present).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import pathlib
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from kvjax.eval.runner import Setting
+
+
+def summarize(rows: Sequence[dict[str, Any]], tasks: Sequence[str],
+              settings: Sequence[Setting]) -> list[dict[str, Any]]:
+    """One record per (setting, task) with rows: score, n, nulls (empty predictions), and metric means."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        groups[(r["policy"], r["setting"], r["task"])].append(r)
+    out = []
+    for st in settings:
+        for task in tasks:
+            group = groups.get((st.policy_name, st.label, task))
+            if not group:
+                continue
+            rec = {"policy": st.policy_name, "setting": st.label, "compression_ratio": st.compression_ratio,
+                   "budget": st.budget, "task": task,
+                   "score": round(100 * sum(r["score"] for r in group) / len(group), 2), "n": len(group),
+                   "nulls": sum(1 for r in group if r.get("prediction") is not None and not r["prediction"].strip())}
+            extras = defaultdict(list)
+            for r in group:
+                for k, v in (r.get("metrics") or {}).items():
+                    if isinstance(v, (int, float)) and not isinstance(v, bool):
+                        extras[k].append(float(v))
+            for k, vals in extras.items():
+                mean = sum(vals) / len(vals)
+                rec[k] = round(mean, 4) if math.isfinite(mean) else mean
+            out.append(rec)
+    return out
+
+
+def wide_table(summary: Sequence[dict[str, Any]], tasks: Sequence[str],
+               settings: Sequence[Setting]) -> tuple[list[str], list[list[Any]]]:
+    """Header and rows: policy, setting, one column per task, avg."""
+    score = {(s["policy"], s["setting"], s["task"]): s["score"] for s in summary}
+    scored = [t for t in tasks if t != "fidelity"] or list(tasks)
+    header = ["policy", "setting", *tasks, "avg"]
+    body = []
+    for st in settings:
+        cells = [score.get((st.policy_name, st.label, t)) for t in tasks]
+        vals = [score[(st.policy_name, st.label, t)] for t in scored if (st.policy_name, st.label, t) in score]
+        if all(c is None for c in cells):
+            continue
+        body.append([st.policy_name, st.label, *cells, round(sum(vals) / len(vals), 2) if vals else None])
+    return header, body
+
+
+def _cell(v: Any) -> str:
+    return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+
+
+def text_table(header: Sequence[str], body: Sequence[Sequence[Any]]) -> str:
+    cells = [list(header)] + [[_cell(v) for v in row] for row in body]
+    widths = [max(len(r[j]) for r in cells) for j in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if j < 2 else c.rjust(w) for j, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def markdown_table(header: Sequence[str], body: Sequence[Sequence[Any]]) -> str:
+    rule = "|".join("---" if j < 2 else "---:" for j in range(len(header)))
+    lines = ["| " + " | ".join(header) + " |", "|" + rule + "|"]
+    lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in body]
+    return "\n".join(lines)
+
+
+def write_csv(path: pathlib.Path, summary: Sequence[dict[str, Any]]) -> None:
+    fields = ["policy", "setting", "compression_ratio", "budget", "task", "score", "n", "nulls"]
+    fields += sorted({k for s in summary for k in s} - set(fields))
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        for s in summary:
+            writer.writerow({k: s.get(k) for k in fields})
+
+
+def plot_scores(path: pathlib.Path, summary: Sequence[dict[str, Any]], tasks: Sequence[str],
+                settings: Sequence[Setting], title: str = "") -> bool:
+    """Average score against compression ratio (or budget), one line per policy; False if nothing to draw."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    header, body = wide_table(summary, tasks, settings)
+    avg = {(r[0], r[1]): r[-1] for r in body}
+    full = avg.get(("full", "full"))
+    by_policy: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    use_budget = not any(st.compression_ratio is not None for st in settings)
+    for st in settings:
+        if st.policy is None or avg.get((st.policy_name, st.label)) is None:
+            continue
+        x = st.budget if use_budget else st.compression_ratio
+        if x is not None:
+            by_policy[st.policy_name].append((float(x), avg[(st.policy_name, st.label)]))
+    if not by_policy and full is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, pts in sorted(by_policy.items()):
+        pts = sorted(pts)
+        if full is not None and not use_budget:
+            pts = [(0.0, full)] + pts
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    if full is not None:
+        ax.axhline(full, color="black", linestyle="--", linewidth=1, label="full cache")
+    ax.set_xlabel("budget (tokens kept per KV head)" if use_budget else "compression ratio (fraction removed)")
+    ax.set_ylabel("score (avg over tasks)")
+    if use_budget:
+        ax.set_xscale("log", base=2)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def niah_matrices(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per setting ("policy setting"): lengths, depths and the depth x length matrix of mean scores x 100."""
+    cells: dict[str, dict[tuple[int, float], list[float]]] = defaultdict(lambda: defaultdict(list))
+    for r in rows:
+        if "grid" in r:
+            cells[f"{r['policy']} {r['setting']}"][(r["grid"]["length"], r["grid"]["depth"])].append(r["score"])
+    out = {}
+    for name, grid in cells.items():
+        lengths = sorted({k[0] for k in grid})
+        depths = sorted({k[1] for k in grid})
+        matrix = [[round(100 * sum(grid[(ln, d)]) / len(grid[(ln, d)]), 2) if (ln, d) in grid else None
+                   for ln in lengths] for d in depths]
+        flat = [v for row in matrix for v in row if v is not None]
+        out[name] = {"lengths": lengths, "depths": depths, "matrix": matrix, "mean": round(sum(flat) / len(flat), 2)}
+    return out
+
+
+def plot_heatmaps(folder: pathlib.Path, matrices: dict[str, dict[str, Any]]) -> list[pathlib.Path]:
+    """One PNG per setting: depth (rows) x context length (columns), score 0-100."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, m in matrices.items():
+        data = np.array([[np.nan if v is None else v for v in row] for row in m["matrix"]], dtype=float)
+        fig, ax = plt.subplots(figsize=(1.2 + 0.7 * len(m["lengths"]), 1.2 + 0.45 * len(m["depths"])))
+        im = ax.imshow(data, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
+        ax.set_xticks(range(len(m["lengths"])), [str(x) for x in m["lengths"]], fontsize=7)
+        ax.set_yticks(range(len(m["depths"])), [f"{d:g}" for d in m["depths"]], fontsize=7)
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("needle depth (%)")
+        ax.set_title(f"{name}: mean {m['mean']:.1f}", fontsize=9)
+        fig.colorbar(im, ax=ax)
+        fig.tight_layout()
+        path = folder / (name.replace(" ", "_").replace("=", "").replace("/", "_") + ".png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def write_reports(out_dir: str | pathlib.Path, rows: Sequence[dict[str, Any]], tasks: Sequence[str],
+                  settings: Sequence[Setting], *, skipped: dict[str, str] | None = None, title: str = "",
+                  echo: bool = True) -> dict[str, Any]:
+    """Writes results.md, results.csv, metrics.json, the plot and heatmaps; prints the table. Returns the summary."""
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ran = [t for t in tasks if any(r["task"] == t for r in rows)]
+    summary = summarize(rows, ran, settings)
+    header, body = wide_table(summary, ran, settings)
+    plotted = plot_scores(out / "score_vs_compression.png", summary, ran, settings, title) if body else False
+    matrices = niah_matrices(rows)
+    heatmaps = plot_heatmaps(out / "niah_heatmaps", matrices) if matrices else []
+    if matrices:
+        (out / "niah_grid.json").write_text(json.dumps(matrices, indent=2))
+    write_csv(out / "results.csv", summary)
+    (out / "metrics.json").write_text(json.dumps({"summary": summary, "table": {"header": header, "rows": body},
+                                                  "skipped": skipped or {}}, indent=2))
+    md = [f"# {title or 'kvjax.eval results'}", "", markdown_table(header, body) if body else "(no results)", ""]
+    if plotted:
+        md += ["![score vs compression](score_vs_compression.png)", ""]
+    for p in heatmaps:
+        md += [f"![{p.stem}](niah_heatmaps/{p.name})"]
+    if skipped:
+        md += ["", "## Skipped tasks", ""] + [f"- **{t}**: {why}" for t, why in skipped.items()]
+    (out / "results.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    if echo:
+        print(text_table(header, body) if body else "(no results)")
+    return {"summary": summary, "header": header, "rows": body, "plot": plotted, "heatmaps": heatmaps}

@@ -1,0 +1,247 @@
+"""The evaluation loop: settings x tasks x batches, scored and appended to a resumable JSONL.
+
+A *setting* is the full cache (``policy=None``) or a policy at a compression ratio or a budget.
+Every finished (task, policy, ratio/budget, sample id) is one line of ``results.jsonl``,
+written as soon as its batch is done; a rerun reads the file and skips those entries.
+
+The model is reached only through two injected callables, so that tests use fakes:
+
+* ``generate_fn(samples, *, policy, compression_ratio, budget, query_aware) -> list``: one
+  answer per sample, a string or a dict with ``text`` and optional statistics (kept entries,
+  cache bytes, ...), stored under ``stats``;
+* ``logits_fn(samples, *, policy, compression_ratio, budget) -> list[np.ndarray]`` for the
+  fidelity task: per sample, the logits ``[T, V]`` predicting each continuation token after the
+  context was (or was not, with ``policy=None``) compressed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from kvjax.eval.metrics import kl_divergence, score_prediction, top1_agreement
+
+GenerateFn = Callable[..., list[Any]]
+LogitsFn = Callable[..., list[Any]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """The full cache (policy None), or ``policy`` at exactly one of ``compression_ratio`` / ``budget``."""
+
+    policy: str | None
+    compression_ratio: float | None = None
+    budget: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.policy is None:
+            if self.compression_ratio is not None or self.budget is not None:
+                raise ValueError("the full-cache setting (policy=None) takes no compression_ratio or budget")
+            return
+        if (self.compression_ratio is None) == (self.budget is None):
+            raise ValueError(f"policy {self.policy!r} needs exactly one of compression_ratio or budget")
+        if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
+            raise ValueError(f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
+        if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
+            raise ValueError(f"budget must be a positive int, got {self.budget!r}")
+
+    @property
+    def policy_name(self) -> str:
+        return "full" if self.policy is None else self.policy
+
+    @property
+    def label(self) -> str:
+        """``full``, ``r=0.5`` or ``C=128``."""
+        if self.policy is None:
+            return "full"
+        return f"r={self.compression_ratio:g}" if self.compression_ratio is not None else f"C={self.budget}"
+
+    def kwargs(self) -> dict[str, Any]:
+        return {"policy": self.policy, "compression_ratio": self.compression_ratio, "budget": self.budget}
+
+
+def make_settings(policies: Sequence[str], compression_ratios: Sequence[float] = (),
+                  budgets: Sequence[int] = (), baseline: bool = True) -> list[Setting]:
+    """The full-cache baseline, then every policy at every ratio and every budget."""
+    out = [Setting(None)] if baseline else []
+    out += [Setting(p, compression_ratio=float(r)) for p in policies for r in compression_ratios]
+    out += [Setting(p, budget=int(b)) for p in policies for b in budgets]
+    return out
+
+
+def row_key(task: str, setting_policy: str, setting_label: str, sample_id: str) -> tuple[str, str, str, str]:
+    return task, setting_policy, setting_label, sample_id
+
+
+class ResultStore:
+    """``results.jsonl``: loaded once, appended and flushed line by line."""
+
+    def __init__(self, path: str | pathlib.Path) -> None:
+        self.path = pathlib.Path(path)
+        self.rows: dict[tuple[str, str, str, str], dict[str, Any]] = {}
+        if not self.path.exists():
+            return
+        bad = 0
+        with self.path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:  # a line cut by an interrupted run: recompute it
+                    warnings.warn(f"{self.path}:{n}: unreadable line skipped (it will be recomputed)")
+                    bad += 1
+                    continue
+                self.rows[self.key(row)] = row
+        if bad:  # rewrite without the broken lines, so that appends start on a clean line
+            tmp = self.path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.rows.values()),
+                           encoding="utf-8")
+            tmp.replace(self.path)
+
+    @staticmethod
+    def key(row: dict[str, Any]) -> tuple[str, str, str, str]:
+        return row_key(row["task"], row["policy"], row["setting"], row["sample_id"])
+
+    def __contains__(self, key: tuple[str, str, str, str]) -> bool:
+        return key in self.rows
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                self.rows[self.key(row)] = row
+            f.flush()
+
+
+def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start: start + size]
+
+
+def _truncate_at_stop(text: str, stops: Sequence[str] | None) -> str:
+    cut = len(text)
+    for s in stops or ():
+        j = text.find(s)
+        if j >= 0:
+            cut = min(cut, j)
+    return text[:cut]
+
+
+def _base_row(task: str, setting: Setting, sample: dict[str, Any], query_aware: bool) -> dict[str, Any]:
+    row = {
+        "task": task, "policy": setting.policy_name, "setting": setting.label,
+        "compression_ratio": setting.compression_ratio, "budget": setting.budget, "sample_id": sample["id"],
+        "query_aware": query_aware, "length": sample.get("length"), "target_length": sample.get("target_length"),
+    }
+    meta = sample.get("metadata") or {}
+    if "grid_length" in meta:  # needle-grid cell, for the heatmap
+        row["grid"] = {"length": meta["grid_length"], "depth": meta["grid_depth"]}
+    return row
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "item") and getattr(value, "ndim", 1) == 0:
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def run(
+    samples_by_task: dict[str, list[dict[str, Any]]],
+    settings: Sequence[Setting],
+    out_dir: str | pathlib.Path,
+    *,
+    metrics: dict[str, str],
+    generate_fn: GenerateFn | None = None,
+    logits_fn: LogitsFn | None = None,
+    query_aware: bool = False,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Runs every pending (task, setting, sample) and returns the rows of this run's keys, old and new.
+
+    metrics: task -> metric name (``fidelity`` tasks use ``logits_fn``, the others ``generate_fn``).
+    """
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    missing = [t for t in samples_by_task if t not in metrics]
+    if missing:
+        raise ValueError(f"no metric given for task(s) {missing}")
+    store = ResultStore(pathlib.Path(out_dir) / "results.jsonl")
+    keys = [(task, st, s) for task, samples in samples_by_task.items() for st in settings for s in samples]
+    pending = sum(row_key(t, st.policy_name, st.label, s["id"]) not in store for t, st, s in keys)
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=pending, desc="kvjax.eval", unit="sample", disable=not progress or pending == 0)
+    try:
+        for task, samples in samples_by_task.items():
+            runner = _run_fidelity if metrics[task] == "fidelity" else _run_generation
+            fn = logits_fn if metrics[task] == "fidelity" else generate_fn
+            if fn is None and any(row_key(task, st.policy_name, st.label, s["id"]) not in store
+                                  for st in settings for s in samples):
+                kind = "logits_fn" if metrics[task] == "fidelity" else "generate_fn"
+                raise ValueError(f"task {task} has pending work but no {kind} was given")
+            for batch in _chunks(samples, batch_size):
+                runner(task, batch, settings, store, fn, metrics[task], query_aware, bar)
+    finally:
+        bar.close()
+    return [store.rows[row_key(t, st.policy_name, st.label, s["id"])] for t, st, s in keys]
+
+
+def _run_generation(task: str, batch: list[dict[str, Any]], settings: Sequence[Setting], store: ResultStore,
+                    generate_fn: GenerateFn, metric: str, query_aware: bool, bar) -> None:
+    for st in settings:
+        todo = [s for s in batch if row_key(task, st.policy_name, st.label, s["id"]) not in store]
+        if not todo:
+            continue
+        bar.set_postfix_str(f"{task} {st.policy_name} {st.label}")
+        start = time.perf_counter()
+        outputs = generate_fn(todo, query_aware=query_aware, **st.kwargs())
+        seconds = (time.perf_counter() - start) / len(todo)
+        if len(outputs) != len(todo):
+            raise ValueError(f"generate_fn returned {len(outputs)} answers for {len(todo)} samples")
+        rows = []
+        for sample, out in zip(todo, outputs):
+            text = out["text"] if isinstance(out, dict) else out
+            if not isinstance(text, str):
+                raise TypeError(f"generate_fn must return strings or dicts with a 'text' string, got {type(text)}")
+            stats = {k: _jsonable(v) for k, v in out.items() if k != "text"} if isinstance(out, dict) else {}
+            prediction = _truncate_at_stop(text, sample.get("stop"))
+            scored = score_prediction(metric, task, prediction, sample)
+            rows.append({**_base_row(task, st, sample, query_aware), "prediction": prediction,
+                         "answers": sample["answers"], "score": scored.pop("score"), "metrics": scored,
+                         "stats": stats, "seconds": seconds})
+        store.add(rows)
+        bar.update(len(todo))
+
+
+def _run_fidelity(task: str, batch: list[dict[str, Any]], settings: Sequence[Setting], store: ResultStore,
+                  logits_fn: LogitsFn, metric: str, query_aware: bool, bar) -> None:
+    todo = [st for st in settings
+            if any(row_key(task, st.policy_name, st.label, s["id"]) not in store for s in batch)]
+    if not todo:
+        return
+    full = logits_fn(batch, policy=None, compression_ratio=None, budget=None)
+    for st in todo:
+        bar.set_postfix_str(f"{task} {st.policy_name} {st.label}")
+        start = time.perf_counter()
+        comp = full if st.policy is None else logits_fn(batch, **st.kwargs())
+        seconds = (time.perf_counter() - start) / len(batch)
+        rows = []
+        for sample, f, c in zip(batch, full, comp):
+            if row_key(task, st.policy_name, st.label, sample["id"]) in store:
+                continue
+            kl, top1 = kl_divergence(f, c), top1_agreement(f, c)
+            rows.append({**_base_row(task, st, sample, query_aware), "prediction": None, "answers": [],
+                         "score": top1, "metrics": {"kl": kl}, "stats": {},
+                         "seconds": seconds})
+        store.add(rows)
+        bar.update(len(rows))

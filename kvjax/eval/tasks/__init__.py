@@ -1,0 +1,117 @@
+"""Task registry: names, suites, metrics, and `generate_task`.
+
+Suites (usable wherever task names are): ``default`` (the bundled model's suite: the 8 RULER
+needle tasks and vt), ``ruler`` (all 13), ``synthetic`` (every task generated from code alone),
+``longbench`` (16 tasks, local files), ``math`` (GSM8K, MATH-500, AIME 24/25, local files).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from kvjax.eval.tasks.base import Options, Sample, TaskSkipped, TokenizerLike, check_length, check_num_samples
+from kvjax.eval.tasks.fidelity import fidelity
+from kvjax.eval.tasks.longbench import TASKS as LONGBENCH_TASKS
+from kvjax.eval.tasks.longbench import longbench
+from kvjax.eval.tasks.math import TASKS as MATH_TASKS
+from kvjax.eval.tasks.math import math_task
+from kvjax.eval.tasks.niah_grid import niah_grid, passkey
+from kvjax.eval.tasks.qa import qa
+from kvjax.eval.tasks.ruler import NIAH_TASKS, cwe, fwe, niah, vt
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskInfo:
+    name: str
+    family: str  # ruler | niah_grid | passkey | longbench | math | fidelity
+    metric: str  # a key of kvjax.eval.metrics.METRICS
+    builder: Callable[..., list[Sample]]
+    description: str
+
+
+def _registry() -> dict[str, TaskInfo]:
+    reg: dict[str, TaskInfo] = {}
+    for name, spec in NIAH_TASKS.items():
+        what = f"{spec.k} key(s) x {spec.v} value(s), {spec.q} query, {spec.haystack} haystack"
+        reg[name] = TaskInfo(name, "ruler", "string_match_all", niah, f"RULER needle: {what}")
+    reg["vt"] = TaskInfo("vt", "ruler", "string_match_all", vt, "RULER variable tracking (1 chain, 4 hops)")
+    reg["cwe"] = TaskInfo("cwe", "ruler", "string_match_all", cwe, "RULER common words extraction")
+    reg["fwe"] = TaskInfo("fwe", "ruler", "string_match_all", fwe, "RULER frequent words extraction")
+    reg["qa_1"] = TaskInfo("qa_1", "ruler", "string_match_part", qa, "RULER QA on SQuAD v2 (needs --data squad=PATH)")
+    reg["qa_2"] = TaskInfo("qa_2", "ruler", "string_match_part", qa,
+                           "RULER QA on HotpotQA (needs --data hotpotqa=PATH)")
+    reg["niah_grid"] = TaskInfo("niah_grid", "niah_grid", "rouge1", niah_grid,
+                                "needle-in-a-haystack over lengths x depths (heatmap)")
+    reg["passkey"] = TaskInfo("passkey", "passkey", "string_match_all", passkey, "5-digit pass key in noise")
+    for name, (metric, _) in LONGBENCH_TASKS.items():
+        reg[f"longbench/{name}"] = TaskInfo(f"longbench/{name}", "longbench", metric, longbench,
+                                            f"LongBench {name} (--data longbench=DIR)")
+    for name in MATH_TASKS:
+        reg[name] = TaskInfo(name, "math", "math", math_task, f"{name} math reasoning (--data {name}=PATH)")
+    reg["fidelity"] = TaskInfo("fidelity", "fidelity", "fidelity", fidelity,
+                               "next-token KL and top-1 agreement, compressed vs full cache")
+    return reg
+
+
+TASKS: dict[str, TaskInfo] = _registry()
+RULER_TASKS = [*NIAH_TASKS, "vt", "cwe", "fwe", "qa_1", "qa_2"]
+SUITES: dict[str, list[str]] = {
+    "default": [*NIAH_TASKS, "vt"],
+    "ruler": RULER_TASKS,
+    "synthetic": [*NIAH_TASKS, "vt", "cwe", "fwe", "niah_grid", "passkey"],
+    "longbench": [f"longbench/{n}" for n in LONGBENCH_TASKS],
+    "math": list(MATH_TASKS),
+}
+
+
+def task_names(suite: str | None = None) -> list[str]:
+    """All task names, or those of ``suite``."""
+    if suite is None:
+        return list(TASKS)
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; valid suites: {', '.join(SUITES)}")
+    return list(SUITES[suite])
+
+
+def resolve_tasks(names: list[str]) -> list[str]:
+    """Expands suite names, keeps order, drops repeats; ValueError listing the valid names otherwise."""
+    out: list[str] = []
+    unknown = []
+    for n in names:
+        expanded = SUITES.get(n, [n])
+        for t in expanded:
+            if t not in TASKS:
+                unknown.append(t)
+            elif t not in out:
+                out.append(t)
+    if unknown:
+        raise ValueError(f"unknown task(s) {', '.join(map(repr, unknown))}. Valid tasks: {', '.join(TASKS)}; "
+                         f"suites: {', '.join(SUITES)}")
+    return out
+
+
+def generate_task(name: str, tokenizer: TokenizerLike | None, context_length: int, num_samples: int, *,
+                  seed: int = 42, overhead: int = 0, data: dict[str, str] | None = None, words: str = "builtin",
+                  **task_options: Any) -> list[Sample]:
+    """Samples of task ``name`` fitted to ``tokenizer`` and ``context_length``.
+
+    overhead: tokens the chat template adds around one user turn (`prompts.chat_overhead`).
+    data: local files by name (essay, squad, hotpotqa, longbench, gsm8k, math500, aime24, aime25,
+      fidelity, fidelity_ids). words: "builtin" or "wonderwords" key and common-word lists.
+    task_options: niah_grid takes lengths, depths, haystack; fidelity takes continuation_tokens.
+    Raises TaskSkipped (with the reason) when the task cannot run here.
+    """
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
+    check_length(context_length)
+    check_num_samples(num_samples)
+    info = TASKS[name]
+    if tokenizer is None and info.family != "fidelity":
+        raise TaskSkipped(f"{name} needs a tokenizer, and this model has none (only 'fidelity' runs on token ids)")
+    opts = Options(tokenizer, context_length, num_samples, seed=seed, overhead=overhead, data=data, words=words)
+    return info.builder(name, opts, **task_options)
+
+
+__all__ = ["SUITES", "TASKS", "Sample", "TaskInfo", "TaskSkipped", "generate_task", "resolve_tasks", "task_names"]
