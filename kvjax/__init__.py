@@ -1,7 +1,7 @@
 """kvjax: KV-cache eviction for long-context LLM inference in JAX."""
 
 from kvjax.cache import KVCache
-from kvjax.generate import GenerateOutput, generate
+from kvjax.engine import GenerateOutput, generate
 from kvjax.models import Model, ModelConfig, load_model
 from kvjax.sharding import make_mesh
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.generate import TRACE_COUNTS, bucket_length
+from kvjax.engine import TRACE_COUNTS, bucket_length
 
 RNG = np.random.RandomState(1)
 
@@ -105,3 +105,19 @@ def test_sharded_generation_equals_single_device(stories_path):
 def test_mesh_rejects_bad_shape():
     with pytest.raises(ValueError, match="model=3"):
         kvjax.make_mesh(model=3)
+
+
+def test_continuation_logits_equal_full_forward(stories):
+    import jax.numpy as jnp
+
+    from kvjax.engine import continuation_logits
+    from kvjax.models import extend
+
+    contexts = _prompts((20, 33))
+    conts = [RNG.randint(3, 512, n).tolist() for n in (7, 4)]
+    got = continuation_logits(stories, contexts, conts)
+    for b in range(2):
+        seq = np.asarray(contexts[b] + conts[b])[None]
+        ref, _, _ = extend(stories.params, stories.config, None, jnp.asarray(seq), jnp.arange(seq.shape[1])[None],
+                           fresh=True)
+        np.testing.assert_allclose(got[b], np.asarray(ref)[0, len(contexts[b]):], atol=1e-4)

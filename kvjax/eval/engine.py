@@ -53,7 +53,7 @@ def make_generate_fn(model: Any, pad_to: int | None = None):
 
     def generate_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
                     budget: int | None, query_aware: bool) -> list[dict[str, Any]]:
-        from kvjax.generate import generate
+        from kvjax.engine import generate
 
         n = len(samples)
         contexts, questions = _split_ids(samples, tokenizer, query_aware)
@@ -71,19 +71,15 @@ def make_generate_fn(model: Any, pad_to: int | None = None):
 
 
 def make_logits_fn(model: Any):
-    """A runner ``logits_fn``: needs ``kvjax.generate.continuation_logits`` from the engine."""
+    """A runner ``logits_fn`` over `kvjax.engine.continuation_logits` (teacher-forced continuation logits)."""
 
     def logits_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
                   budget: int | None) -> list[Any]:
-        import kvjax.generate as engine
+        from kvjax.engine import continuation_logits
 
-        if not hasattr(engine, "continuation_logits"):
-            raise NotImplementedError(
-                "the fidelity task needs kvjax.generate.continuation_logits(model, contexts, continuations, *, "
-                "policy, compression_ratio, budget) -> list of [T, V] logits; this engine has none yet")
         contexts = [s["metadata"]["context_ids"] for s in samples]
         continuations = [s["metadata"]["continuation_ids"] for s in samples]
-        return list(engine.continuation_logits(model, contexts, continuations, policy=policy,
-                                               compression_ratio=compression_ratio, budget=budget))
+        return continuation_logits(model, contexts, continuations, policy=policy,
+                                   compression_ratio=compression_ratio, budget=budget)
 
     return logits_fn

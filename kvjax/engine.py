@@ -152,11 +152,11 @@ def _prefill(params, tokens, positions, lengths, key, *, cfg: ModelConfig, capac
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
-def _feed(params, cache, tokens, positions, last_index, *, cfg: ModelConfig, mesh):
-    """Appends a chunk (the question) to a filled cache; logits [B,V] at `last_index` [B]."""
+def _feed(params, cache, tokens, positions, logit_index, *, cfg: ModelConfig, mesh):
+    """Appends a chunk (a question, a continuation) to a filled cache; logits [B,k,V] at `logit_index` [B,k]."""
     TRACE_COUNTS["feed"] += 1
-    logits, cache, _ = extend(params, cfg, cache, tokens, positions, fresh=False, logit_index=last_index[:, None])
-    return logits[:, 0], _constrain(cache, mesh)
+    logits, cache, _ = extend(params, cfg, cache, tokens, positions, fresh=False, logit_index=logit_index)
+    return logits, _constrain(cache, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "plan", "sampler", "stop_ids", "pad_id", "mesh"),
@@ -285,9 +285,9 @@ def generate(
     if q_rows:
         q_tokens, q_pos = _pad(q_rows, q_bucket, pad_id)
         q_pos = np.where(q_pos >= 0, q_pos + lengths[:, None], -1).astype(np.int32)
-        logits, cache = _feed(model.params, cache, *_batch_put(model.mesh, q_tokens, q_pos, q_lengths - 1),
+        logits, cache = _feed(model.params, cache, *_batch_put(model.mesh, q_tokens, q_pos, (q_lengths - 1)[:, None]),
                               cfg=cfg, mesh=model.mesh)
-        first = sampler(logits, k_question)
+        first = sampler(logits[:, 0], k_question)
         pos0 = jnp.asarray(lengths + q_lengths)
     cache_bytes = cache.nbytes()
     out, _ = _decode(model.params, cache, state, first, pos0, k_decode, cfg=cfg, steps=int(max_new_tokens),
@@ -313,3 +313,52 @@ def _batch_put(mesh, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
     from kvjax.sharding import logical_sharding
 
     return tuple(jax.device_put(a, logical_sharding(("batch",) + (None,) * (a.ndim - 1), a.shape, mesh)) for a in arrays)
+
+
+def continuation_logits(
+    model: Model,
+    contexts: Any,
+    continuations: Any,
+    *,
+    policy: Any = None,
+    budget: int | None = None,
+    compression_ratio: float | None = None,
+    buckets: Sequence[int] = BUCKETS,
+) -> list[np.ndarray]:
+    """Teacher-forces each continuation after its (compressed) context.
+
+    Returns, per row, float32 logits [len(continuation), V]: row j is the distribution after
+    continuation token j (predicting token j+1), read from the cache the policy left. Compare two
+    policies' outputs (e.g. against policy=None) for fidelity: next-token KL and top-1 agreement.
+    """
+    cfg = model.config
+    policy = _resolve_policy(policy)
+    if policy is None and (budget is not None or compression_ratio is not None):
+        raise ValueError("budget / compression_ratio need a policy (policy=None keeps the full cache)")
+    rows = encode_prompts(model, contexts, what="contexts")
+    conts = encode_prompts(model, continuations, what="continuations")
+    if len(conts) != len(rows):
+        raise ValueError(f"got {len(rows)} contexts but {len(conts)} continuations: give one per context")
+    lengths = np.array([len(r) for r in rows], np.int32)
+    c_lengths = np.array([len(r) for r in conts], np.int32)
+    total = int((lengths + c_lengths).max())
+    if total > cfg.max_position_embeddings:
+        raise ValueError(f"context + continuation of {total} tokens is more than the model allows "
+                         f"(max_position_embeddings={cfg.max_position_embeddings})")
+    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
+    T = bucket_length(int(lengths.max()), buckets)
+    n = bucket_length(int(c_lengths.max()), buckets)
+    plan = None
+    if policy is not None:
+        plan = policy.plan(tuple(int(x) for x in lengths), cfg.num_layers, cfg.num_kv_heads, budget=budget,
+                           compression_ratio=compression_ratio, max_new_tokens=n, bucket=T)
+    tokens, positions = _pad(rows, T, pad_id)
+    _, cache, _, _ = _prefill(model.params, *_batch_put(model.mesh, tokens, positions, lengths),
+                              jax.random.PRNGKey(0), cfg=cfg, capacity=T + n, policy=policy, plan=plan,
+                              sampler=Sampler(), mesh=model.mesh)
+    c_tokens, c_pos = _pad(conts, n, pad_id)
+    c_pos = np.where(c_pos >= 0, c_pos + lengths[:, None], -1).astype(np.int32)
+    index = np.broadcast_to(np.arange(n, dtype=np.int32), (len(rows), n))
+    logits, _ = _feed(model.params, cache, *_batch_put(model.mesh, c_tokens, c_pos, index), cfg=cfg, mesh=model.mesh)
+    logits = np.asarray(jax.device_get(logits))
+    return [logits[b, : c_lengths[b]] for b in range(len(rows))]
