@@ -1,0 +1,179 @@
+"""Shared pieces of the kernel dispatchers: implementation choice, argument checks, block maths."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax import _compat
+
+IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu", "interpret")
+GROUP_REDUCTIONS = ("mean", "sum", "max", None)
+MOMENTS = ("sum", "sumsq", "entropy")
+ENTROPY_EPS = 1e-10
+# Finite "minus infinity" for masked logits inside kernels: exp(MASK - m) underflows to 0
+# without producing inf - inf = NaN (same constant as jax's TPU flash attention).
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+INT_BIG = int(np.iinfo(np.int32).max)
+
+
+ENV_VAR = "KVJAX_KERNEL_IMPLEMENTATION"
+
+
+def resolve_implementation(implementation: str | None) -> str:
+    """Map the public ``implementation`` argument to a concrete backend name.
+
+    None picks the Pallas kernel on TPU and GPU (the GPU one only while this jax still ships
+    the Triton backend) and the XLA reference elsewhere. The environment variable
+    KVJAX_KERNEL_IMPLEMENTATION, when set, replaces that automatic choice (an escape hatch for
+    callers that do not expose ``implementation``, e.g. to force "xla" on an untested GPU).
+    """
+    if implementation is None:
+        implementation = os.environ.get(ENV_VAR) or None
+    if implementation is None:
+        backend = jax.default_backend()
+        if backend == "tpu" and _compat.HAS_PALLAS_TPU:
+            return "pallas_tpu"
+        if backend in ("gpu", "cuda", "rocm") and _compat.HAS_TRITON:
+            return "pallas_gpu"
+        return "xla"
+    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
+        raise ValueError(
+            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
+        )
+    return implementation
+
+
+def check_scale(scale: Any) -> float:
+    """The softmax scale must be a concrete number (it is baked into the kernels)."""
+    if isinstance(scale, bool):
+        raise TypeError(f"scale must be a positive float, got {scale!r}")
+    try:
+        value = float(scale)
+    except (TypeError, jax.errors.ConcretizationTypeError) as err:
+        raise TypeError(f"scale must be a concrete Python float (not a traced value), got {scale!r}") from err
+    if not np.isfinite(value) or value <= 0:
+        raise ValueError(f"scale must be a positive finite float, got {value}")
+    return value
+
+
+def check_array(name: str, x: Any, ndim: int, kind: str) -> None:
+    """Check rank and dtype family ("float", "int" or "bool") of an argument."""
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.ndim != ndim:
+        raise ValueError(f"{name} must have rank {ndim}, got shape {tuple(x.shape)}")
+    ok = {
+        "float": jnp.issubdtype(x.dtype, jnp.floating),
+        "int": jnp.issubdtype(x.dtype, jnp.integer),
+        "bool": x.dtype == jnp.bool_,
+    }[kind]
+    if not ok:
+        accepted = {"float": "a floating dtype", "int": "an integer dtype (int32)", "bool": "bool"}[kind]
+        raise TypeError(f"{name} must have {accepted}, got dtype {x.dtype}")
+
+
+def check_dims(name: str, shape: tuple[int, ...], expected: tuple[int, ...], layout: str) -> None:
+    if tuple(shape) != tuple(expected):
+        raise ValueError(f"{name} must have shape {layout} = {tuple(expected)}, got {tuple(shape)}")
+
+
+def check_qk(queries: Any, keys: Any, q_name: str = "queries") -> tuple[int, int, int, int]:
+    """Checks a [B,Hq,T,D] / [B,Hkv,S,D] pair; returns (B, Hkv, G, D)."""
+    check_array(q_name, queries, 4, "float")
+    check_array("keys", keys, 4, "float")
+    b, hq, _, d = queries.shape
+    bk, hkv, _, dk = keys.shape
+    if bk != b or dk != d:
+        raise ValueError(
+            f"{q_name} {tuple(queries.shape)} and keys {tuple(keys.shape)} must agree on batch and head_dim"
+        )
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of KV heads ({hkv}) for GQA")
+    return b, hkv, hq // hkv, d
+
+
+def common_dtype(*xs: Any) -> Any:
+    return jnp.result_type(*[x.dtype for x in xs])
+
+
+def round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def pick_block(n: int, target: int, align: int) -> int:
+    """Largest multiple of ``align`` that divides ``n`` (a multiple of align) and is <= target."""
+    b = max(align, min(target, n) // align * align)
+    while n % b:
+        b -= align
+    return b
+
+
+def pad_axis(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
+    """Pads ``axis`` at the end up to ``size`` (no copy when already that size)."""
+    extra = size - x.shape[axis]
+    if extra == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, extra)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def block_visibility(qpos: jax.Array, kpos: jax.Array, bq: int, bk: int
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Which (query block, key block) pairs hold any visible (query, key) pair.
+
+    qpos [B,Tp] (-1 = padding), kpos [B,Hkv,Sp] (-1 = empty); Tp, Sp multiples of the blocks.
+    Returns run [B,Hkv,nQ,nK] bool, qmax [B,nQ] (largest query position, -1 if none) and kmin
+    [B,Hkv,nK] (smallest valid key position, INT32_MAX if none). A pair with kmin > qmax holds
+    no visible pair, so it can be skipped whatever the order of the positions.
+    """
+    b, tp = qpos.shape
+    _, hkv, sp = kpos.shape
+    qmax = jnp.max(qpos.reshape(b, tp // bq, bq), axis=-1).astype(jnp.int32)
+    kmin = jnp.min(jnp.where(kpos >= 0, kpos, INT_BIG).reshape(b, hkv, sp // bk, bk), axis=-1).astype(jnp.int32)
+    return kmin[:, :, None, :] <= qmax[:, None, :, None], qmax, kmin
+
+
+def last_visible_block(run: jax.Array) -> jax.Array:
+    """[B,Hkv,nQ]: last key block each query block must visit (0 when none)."""
+    idx = jnp.arange(run.shape[-1], dtype=jnp.int32)
+    return jnp.max(jnp.where(run, idx, 0), axis=-1).astype(jnp.int32)
+
+
+def first_visible_block(run: jax.Array) -> jax.Array:
+    """[B,Hkv,nK]: first query block that sees each key block (nQ-1 when none)."""
+    nq = run.shape[2]
+    idx = jnp.arange(nq, dtype=jnp.int32)[:, None]
+    first = jnp.min(jnp.where(run, idx, nq), axis=2)
+    return jnp.where(first == nq, nq - 1, first).astype(jnp.int32)
+
+
+def group_reduce_rows(x: jax.Array, group_reduce: str | None, axis: int) -> jax.Array:
+    """Reduces the group axis of a per-query-head score."""
+    if group_reduce is None:
+        return x
+    if group_reduce == "mean":
+        return jnp.mean(x, axis=axis)
+    if group_reduce == "sum":
+        return jnp.sum(x, axis=axis)
+    return jnp.max(x, axis=axis)
+
+
+def check_moments(moments: Any) -> tuple[str, ...]:
+    if isinstance(moments, str):
+        moments = (moments,)
+    moments = tuple(moments)
+    if not moments or any(m not in MOMENTS for m in moments) or len(set(moments)) != len(moments):
+        raise ValueError(f"moments must be a non-empty tuple of distinct names from {MOMENTS}, got {moments!r}")
+    return moments
+
+
+def check_group_reduce(group_reduce: Any) -> str | None:
+    if group_reduce not in GROUP_REDUCTIONS:
+        raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
+    return group_reduce

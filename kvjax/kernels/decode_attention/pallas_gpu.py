@@ -1,0 +1,112 @@
+"""Decode attention with probabilities on GPU (Pallas Triton), split over the key axis.
+
+Grid (B·Hkv, splits): each program owns a contiguous range of slots, loops over it in blocks of
+bk, writes the raw logits and its partial (acc, m, l); XLA merges the splits by log-sum-exp and
+forms probs = exp(logits - lse). The G query heads of a group are padded to >= 16 rows (the
+smallest Triton dot). Never run on a GPU in this project so far; checked to lower for "cuda".
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kvjax import _compat
+from kvjax._compat import pl
+from kvjax.kernels import _common
+from kvjax.kernels._scores_gpu import pow2_at_least
+from kvjax.kernels.decode_attention.pallas_tpu import probs_from_logits
+
+
+def _kernel(q_ref, k_ref, v_ref, valid_ref, logits_ref, acc_ref, m_ref, l_ref, *, scale, bk, cdt):
+    q = q_ref[...].astype(cdt)
+    rows, d = q.shape
+
+    def body(c, carry):
+        acc, m, l = carry
+        sl = pl.ds(c * bk, bk)
+        vm = valid_ref[sl] > 0
+        s = jnp.dot(q, k_ref[sl, :].astype(cdt).T, preferred_element_type=jnp.float32) * scale
+        s = jnp.where(vm[None, :], s, _common.MASK_VALUE)
+        logits_ref[:, sl] = s
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.where(vm[None, :], jnp.exp(s - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        v = jnp.where(vm[:, None], v_ref[sl, :], 0).astype(cdt)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(cdt), v, preferred_element_type=jnp.float32)
+        return acc, m_new, l * alpha + jnp.sum(p, axis=1)
+
+    init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _common.MASK_VALUE, jnp.float32),
+            jnp.zeros((rows,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(0, valid_ref.shape[0] // bk, body, init)
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _plan(s: int, bh: int, block_k: int, target_programs: int) -> tuple[int, int, int]:
+    """(bk, padded S, splits): bk a power of two dividing S when possible (no cache copy)."""
+    bk = pow2_at_least(block_k)
+    while bk > 16 and s % bk:
+        bk //= 2
+    sp = _common.round_up(s, bk)
+    blocks = sp // bk
+    splits = max(1, min(blocks, -(-target_programs // bh)))
+    while blocks % splits:
+        splits -= 1
+    return bk, sp, splits
+
+
+def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, valid: jax.Array, *,
+                     scale: float, interpret: bool = False, block_k: int = 64, target_programs: int = 256,
+                     num_warps: int = 4, num_stages: int = 2) -> tuple[jax.Array, jax.Array]:
+    """query [B,Hq,D], keys/values [B,Hkv,S,D], valid [B,Hkv,S] -> (out [B,Hq,D], probs [B,Hkv,G,S])."""
+    b, hq, d = query.shape
+    _, hkv, s, _ = keys.shape
+    g = hq // hkv
+    gp, dp = pow2_at_least(g), pow2_at_least(d)
+    bk, sp, splits = _plan(s, b * hkv, block_k, target_programs)
+    ssplit = sp // splits
+    cdt = jnp.promote_types(query.dtype, keys.dtype)
+    q = _common.pad_axis(_common.pad_axis(query.reshape(b * hkv, g, d), 2, dp), 1, gp)
+    k = _common.pad_axis(_common.pad_axis(keys.reshape(b * hkv, s, d), 2, dp), 1, sp)
+    v = _common.pad_axis(_common.pad_axis(values.reshape(b * hkv, s, d), 2, dp), 1, sp)
+    vi = _common.pad_axis(valid.reshape(b * hkv, s).astype(jnp.int32), 1, sp)
+    logits, acc, m, l = pl.pallas_call(
+        functools.partial(_kernel, scale=scale, bk=bk, cdt=cdt),
+        grid=(b * hkv, splits),
+        in_specs=[
+            pl.BlockSpec((None, gp, dp), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((None, ssplit, dp), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((None, ssplit, dp), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((None, ssplit), lambda i, j: (i, j)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, gp, ssplit), lambda i, j: (i, 0, j)),
+            pl.BlockSpec((None, None, gp, dp), lambda i, j: (i, j, 0, 0)),
+            pl.BlockSpec((None, None, gp), lambda i, j: (i, j, 0)),
+            pl.BlockSpec((None, None, gp), lambda i, j: (i, j, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b * hkv, gp, sp), jnp.float32),
+            jax.ShapeDtypeStruct((b * hkv, splits, gp, dp), jnp.float32),
+            jax.ShapeDtypeStruct((b * hkv, splits, gp), jnp.float32),
+            jax.ShapeDtypeStruct((b * hkv, splits, gp), jnp.float32),
+        ],
+        compiler_params=_compat.triton_compiler_params(num_warps, num_stages),
+        interpret=interpret,
+        name="kvjax_decode_attention_gpu",
+    )(q, k, v, vi)
+    # Merge the splits (log-sum-exp); a split with l = 0 has acc = 0 and drops out.
+    m_all = jnp.max(m, axis=1, keepdims=True)
+    w = jnp.where(l > 0, jnp.exp(m - m_all), 0.0)
+    total = jnp.sum(w * l, axis=1)  # [BH, gp]
+    out = jnp.sum(w[..., None] * acc, axis=1)
+    out = jnp.where(total[..., None] > 0, out / jnp.maximum(total, 1e-37)[..., None], 0.0)
+    lse = jnp.where(total > 0, m_all[:, 0] + jnp.log(jnp.maximum(total, 1e-37)), 0.0)
+    out = out[:, :g, :d].reshape(b, hq, d).astype(query.dtype)
+    logits = logits[:, :g, :s].reshape(b, hkv, g, s)
+    probs = probs_from_logits(logits, lse[:, :g].reshape(b, hkv, g, 1), valid)
+    return out, probs

@@ -1,0 +1,1 @@
+"""Window scores: reference.py (XLA), pallas_tpu.py, pallas_gpu.py, api.py (dispatcher)."""

@@ -1,0 +1,23 @@
+"""Window scores on TPU: the shared two-pass Mosaic kernels with the window as the query set."""
+
+from __future__ import annotations
+
+import jax
+
+from kvjax.kernels import _scores_tpu
+
+
+def window_scores(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
+                  key_positions: jax.Array, *, scale: float, group_reduce: str | None,
+                  moments: tuple[str, ...], interpret=False, block_k: int = 512,
+                  block_q: int = 512) -> dict[str, jax.Array]:
+    """queries [B,Hq,w,D], keys [B,Hkv,S,D] of one dtype; see ``kvjax.kernels.window_scores``.
+
+    The window (w <= 512 in practice) is one query block, padded to 128 lanes.
+    """
+    b, hq, w, d = queries.shape
+    hkv = keys.shape[1]
+    q5 = queries.reshape(b, hkv, hq // hkv, w, d)
+    return _scores_tpu.score_moments(q5, keys, query_positions, key_positions, scale=scale,
+                                     moments=moments, group_reduce=group_reduce, block_q=block_q,
+                                     block_k=block_k, interpret=interpret)

@@ -1,0 +1,49 @@
+"""XLA reference for window scores: materialises the [B,Hkv,G,w,S] window attention.
+
+Cheap because w is small (policies.md §1.7: cost w·S·d per head); it is also the production
+path on CPU.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from kvjax.kernels import _common
+
+
+def window_probs(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
+                 key_positions: jax.Array, *, scale: float) -> jax.Array:
+    """Causal float32 softmax of the window queries: [B,Hkv,G,w,S], zeros where not visible."""
+    b, hq, w, d = queries.shape
+    hkv = keys.shape[1]
+    q = queries.reshape(b, hkv, hq // hkv, w, d)
+    s = jnp.einsum("bhgwd,bhsd->bhgws", q, keys, precision=lax.Precision.HIGHEST,
+                   preferred_element_type=jnp.float32) * scale
+    kpos = key_positions[:, :, None, None, :]
+    visible = (kpos >= 0) & (kpos <= query_positions[:, None, None, :, None])
+    s = jnp.where(visible, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(visible, jnp.exp(s - m), 0.0)
+    total = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(total > 0, total, 1.0)
+
+
+def window_scores(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
+                  key_positions: jax.Array, *, scale: float, group_reduce: str | None,
+                  moments: tuple[str, ...]) -> dict[str, jax.Array]:
+    """Moments over the window of the per-key attention, reduced over the group; float32."""
+    dtype = _common.common_dtype(queries, keys)
+    p = window_probs(queries.astype(dtype), keys.astype(dtype), query_positions, key_positions, scale=scale)
+    out = {}
+    for moment in moments:
+        if moment == "sum":
+            c = p
+        elif moment == "sumsq":
+            c = p * p
+        else:
+            c = -p * jnp.log(p + _common.ENTROPY_EPS)
+        out[moment] = _common.group_reduce_rows(jnp.sum(c, axis=3), group_reduce, axis=2)
+    return out

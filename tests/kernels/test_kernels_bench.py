@@ -1,0 +1,37 @@
+"""``python -m kvjax.bench``: subcommand discovery and the kernels table (tiny run, real timings)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvjax.bench import __main__ as bench_main
+from kvjax.bench import kernels as bench_kernels
+
+
+def test_subcommands_are_discovered():
+    found = bench_main.subcommands()
+    assert "kernels" in found
+    assert all(not name.startswith("_") for name in found)
+
+
+def test_kernels_table(tmp_path, capsys, monkeypatch):
+    # A smaller preset than "tiny" keeps the interpreter quick; the code path is the real one.
+    monkeypatch.setitem(bench_kernels.SIZES, "tiny",
+                        dict(b=1, hq=4, hkv=2, d=128, w=8, window=(256,), column=(256,), decode=(256,)))
+    out = tmp_path / "table.md"
+    assert bench_main.main(["kernels", "--sizes", "tiny", "--repeats", "1", "--impl", "interpret",
+                            "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "device: CPU" in text and "`interpret`" in text and "says nothing about TPU speed" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| op")]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["window_scores", "column_mass", "decode_attention"]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert float(cells[2]) > 0 and float(cells[3]) > 0  # kernel ms, xla ms
+        assert cells[6] == "n/a"  # no bandwidth fraction on CPU
+    assert "kernel ms" in capsys.readouterr().out
+
+
+def test_bad_ops_are_rejected():
+    with pytest.raises(SystemExit, match="unknown"):
+        bench_main.main(["kernels", "--ops", "flash"])

@@ -1,0 +1,123 @@
+"""Lowering gate (jax_conventions.md §5.4): the kernels lower for TPU (Mosaic) and CUDA (Triton)
+from this CPU host at production sizes: head_dim 128, 8K-32K keys, Llama-3-8B-like GQA (32/8).
+
+This runs the Pallas -> Mosaic / Triton lowering checks (block shapes, (8, 128) tiling, Triton's
+power-of-two rule) but not libtpu's Mosaic compiler nor ptxas: VMEM limits and layout failures
+still need real hardware. Nothing executes, so these stay in the fast set.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kvjax import _compat, kernels
+from kvjax.kernels import _scores_tpu
+from kvjax.kernels.column_mass import pallas_gpu as column_gpu
+from kvjax.kernels.column_mass import pallas_tpu as column_tpu
+from kvjax.kernels.decode_attention import pallas_gpu as decode_gpu
+from kvjax.kernels.decode_attention import pallas_tpu as decode_tpu
+from kvjax.kernels.window_scores import pallas_gpu as window_gpu
+from kvjax.kernels.window_scores import pallas_tpu as window_tpu
+
+SD = jax.ShapeDtypeStruct
+B, HQ, HKV, D = 1, 32, 8, 128
+BF16, I32, F32 = jnp.bfloat16, jnp.int32, jnp.float32
+MARKER = {"tpu": "tpu_custom_call", "cuda": "xla.gpu.triton"}
+SIZES = [8192, 32768]
+
+
+def lowered_calls(fn, args, platform: str) -> int:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    return text.count(MARKER[platform])
+
+
+def window_args(s, w=32, dtype=BF16):
+    return (SD((B, HQ, w, D), dtype), SD((B, HKV, s, D), dtype), SD((B, w), I32), SD((B, HKV, s), I32))
+
+
+def prefill_args(s, dtype=BF16):
+    return (SD((B, HQ, s, D), dtype), SD((B, HKV, s, D), dtype), SD((B, s), I32), SD((B, HKV, s), I32))
+
+
+def decode_args(s, dtype=BF16):
+    return (SD((B, HQ, D), dtype), SD((B, HKV, s, D), dtype), SD((B, HKV, s, D), dtype), SD((B, HKV, s), jnp.bool_))
+
+
+@pytest.mark.parametrize("s", SIZES)
+@pytest.mark.parametrize("group_reduce, moments", [("mean", ("sum",)), ("max", ("sum", "sumsq", "entropy")),
+                                                   (None, ("sum", "entropy"))])
+def test_window_scores_lowers_for_tpu(s, group_reduce, moments):
+    fn = functools.partial(window_tpu.window_scores, scale=D ** -0.5, group_reduce=group_reduce, moments=moments)
+    assert lowered_calls(fn, window_args(s), "tpu") == 2  # lse pass + moments pass
+
+
+@pytest.mark.parametrize("s", SIZES)
+def test_column_mass_lowers_for_tpu(s):
+    fn = functools.partial(column_tpu.column_mass, scale=D ** -0.5)
+    assert lowered_calls(fn, prefill_args(s), "tpu") == 2
+    with_lse = lambda q, k, qp, kp, lse: column_tpu.column_mass(q, k, qp, kp, lse=lse, scale=D ** -0.5)  # noqa: E731
+    assert lowered_calls(with_lse, prefill_args(s) + (SD((B, HQ, s), F32),), "tpu") == 1  # second pass only
+
+
+@pytest.mark.parametrize("s", SIZES)
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_decode_attention_lowers_for_tpu(s, dtype):
+    fn = functools.partial(decode_tpu.decode_attention, scale=D ** -0.5)
+    assert lowered_calls(fn, decode_args(s, dtype), "tpu") == 1
+
+
+def test_small_head_dim_and_float32_lower_for_tpu():
+    fn = functools.partial(window_tpu.window_scores, scale=0.125, group_reduce="mean", moments=("sum",))
+    args = (SD((2, 8, 8, 64), F32), SD((2, 4, 1000, 64), F32), SD((2, 8), I32), SD((2, 4, 1000), I32))
+    assert lowered_calls(fn, args, "tpu") == 2
+
+
+def test_production_blocks_are_tpu_legal():
+    for t, s in [(32, 8192), (8192, 8192), (32768, 32768), (100, 1000)]:
+        bq, bk = _scores_tpu.blocks_for(t, s, 256, 512)
+        assert bq % 128 == 0 and bk % 128 == 0
+        assert -(-t // 128) * 128 % bq == 0 and -(-s // 128) * 128 % bk == 0
+
+
+needs_triton = pytest.mark.skipif(not _compat.HAS_TRITON, reason="this jax has no Pallas Triton backend")
+
+
+@needs_triton
+@pytest.mark.parametrize("s", SIZES)
+def test_gpu_kernels_lower_for_cuda(s):
+    win = functools.partial(window_gpu.window_scores, scale=D ** -0.5, group_reduce="max",
+                            moments=("sum", "sumsq", "entropy"))
+    assert lowered_calls(win, window_args(s), "cuda") == 2
+    col = functools.partial(column_gpu.column_mass, scale=D ** -0.5)
+    assert lowered_calls(col, prefill_args(s), "cuda") == 2
+    dec = functools.partial(decode_gpu.decode_attention, scale=D ** -0.5)
+    assert lowered_calls(dec, decode_args(s), "cuda") == 1
+
+
+@needs_triton
+def test_gpu_kernels_lower_for_cuda_odd_sizes():
+    """Non-power-of-two group (7), head_dim (96) and lengths are padded to Triton's shapes."""
+    args = (SD((1, 28, 96), BF16), SD((1, 4, 1000, 96), BF16), SD((1, 4, 1000, 96), BF16), SD((1, 4, 1000), jnp.bool_))
+    assert lowered_calls(functools.partial(decode_gpu.decode_attention, scale=0.1), args, "cuda") == 1
+    wargs = (SD((1, 28, 7, 96), BF16), SD((1, 4, 1000, 96), BF16), SD((1, 7), I32), SD((1, 4, 1000), I32))
+    win = functools.partial(window_gpu.window_scores, scale=0.1, group_reduce=None, moments=("sum",))
+    assert lowered_calls(win, wargs, "cuda") == 2
+
+
+ACCELERATORS = [("pallas_tpu", "tpu")] + ([("pallas_gpu", "cuda")] if _compat.HAS_TRITON else [])
+
+
+@pytest.mark.parametrize("impl, platform", ACCELERATORS)
+def test_public_dispatchers_lower(impl, platform):
+    """The public functions, with implementation forced, lower for the accelerator (mixed dtypes)."""
+    s = 8192
+    win = functools.partial(kernels.window_scores, scale=D ** -0.5, implementation=impl)
+    assert lowered_calls(win, (SD((B, HQ, 32, D), F32),) + window_args(s)[1:], platform) == 2
+    col = functools.partial(kernels.column_mass, scale=D ** -0.5, implementation=impl)
+    assert lowered_calls(col, prefill_args(s), platform) == 2
+    dec = functools.partial(kernels.decode_attention, scale=D ** -0.5, implementation=impl)
+    assert lowered_calls(dec, decode_args(s), platform) == 1
