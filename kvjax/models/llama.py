@@ -20,7 +20,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax import kernels
 from kvjax.cache import KVCache
+from kvjax.kernels._common import resolve_implementation
 from kvjax.models.config import ModelConfig
 from kvjax.models.rope import apply_rope, inverse_frequencies, rope_tables
 
@@ -178,7 +180,11 @@ def extend(
                 cpos = jax.lax.dynamic_update_slice(cpos, new_pos[None], (l, 0, 0, 0))
                 cvalid = jax.lax.dynamic_update_slice(cvalid, (new_pos >= 0)[None], (l, 0, 0, 0))
             if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
-                out, mass = attend_blocked(q, k, v, positions, new_pos, scale, QUERY_BLOCK, observe.column_mass)
+                # on TPU/GPU the column mass comes from the two-pass kernel; in XLA, from the blocks' probs
+                in_blocks = observe.column_mass and resolve_implementation(None) == "xla"
+                out, mass = attend_blocked(q, k, v, positions, new_pos, scale, QUERY_BLOCK, in_blocks)
+                if observe.column_mass and not in_blocks:
+                    mass = kernels.column_mass(q, k, positions, new_pos, scale=scale)
                 probs = None
             else:
                 out, probs = attend(q, k, v, positions, new_pos, scale)
@@ -190,8 +196,13 @@ def extend(
             cv = cv.at[idx].set(v.astype(cv.dtype))
             cpos = cpos.at[idx].set(new_pos)
             cvalid = cvalid.at[idx].set(new_pos >= 0)
-            layer_pos = jnp.where(cvalid[l], cpos[l], -1)
-            out, probs = attend(q, ck[l], cv[l], positions, layer_pos, scale)
+            if n == 1:  # a decode step: every valid slot precedes the query; padding rows see nothing
+                visible = cvalid[l] & (positions[:, :1] >= 0)[:, :, None]
+                out, probs = kernels.decode_attention(q[:, :, 0], ck[l], cv[l], visible, scale=scale)
+                out, probs = out[:, :, None], probs[:, :, :, None]
+            else:
+                layer_pos = jnp.where(cvalid[l], cpos[l], -1)
+                out, probs = attend(q, ck[l], cv[l], positions, layer_pos, scale)
         attn = out.transpose(0, 2, 1, 3).reshape(B, n, Hq * D)
         h = h + _linear(attn, lp["o"], lp.get("o_bias"))
         x = rms_norm(h, lp["post_norm"], eps)
