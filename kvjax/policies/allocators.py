@@ -1,0 +1,433 @@
+"""Budget allocators: turn a budget into kept counts per (layer, row, KV head) (policies.md §6-8).
+
+An allocator composes with any prefill scorer. Its host half (`allocate`) runs in Python
+float64 exactly as the reference code does; its traced half (`head_counts`) turns scores into
+per-head counts inside jit. Uniform and Pyramid are static; Ada (head-wise, data-dependent)
+and Cake (layer-wise from attention statistics) are traced and realised as masks within a
+static capacity bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.policies.base import (
+    Plan,
+    Requirements,
+    as_i32,
+    check_choice,
+    check_float,
+    check_int,
+    rank,
+    row_budgets,
+)
+from kvjax.policies.scoring import Scored, attention_scale, last_window, window_moments
+
+RULES = ("paper", "kvpress")
+
+
+@dataclasses.dataclass(frozen=True)
+class Allocation:
+    """Host result: counts/extra as in `Plan`; bound [L][B] = most entries any head may keep."""
+
+    counts: tuple[tuple[int, ...], ...]
+    extra: tuple[tuple[int, ...], ...]
+    bound: tuple[tuple[int, ...], ...]
+    evicts: bool
+
+
+def _transpose(rows: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """[B][L] -> [L][B] tuples."""
+    return tuple(tuple(int(x) for x in col) for col in zip(*rows))
+
+
+def _make(counts_bl, extra_bl, bound_bl, lengths) -> Allocation:
+    counts, extra, bound = _transpose(counts_bl), _transpose(extra_bl), _transpose(bound_bl)
+    evicts = any(c < t for row, t in zip(counts_bl, lengths) for c in row) or any(
+        e >= 0 for row in extra_bl for e in row
+    )
+    return Allocation(counts, extra, bound, evicts)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Allocator:
+    """Base allocator: per-(layer, row) counts from the host plan, identical across heads."""
+
+    def requirements(self) -> Requirements:
+        return Requirements()
+
+    def allocate(
+        self,
+        lengths: Sequence[int],
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        budget: int | None,
+        ratio: float | None,
+        protect: int,
+        compat: str,
+    ) -> Allocation:
+        raise NotImplementedError
+
+    def head_counts(self, plan: Plan, scored: Scored, cache: Any, obs: Any, protect: int) -> jax.Array:
+        """Per-head kept counts [L,B,Hkv] int32 (protected tokens included)."""
+        counts = as_i32(plan.counts)
+        return jnp.broadcast_to(counts[:, :, None], cache.valid.shape[:3])
+
+
+# ----------------------------------------------------------------------------- uniform
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Uniform(Allocator):
+    """Every layer and head keeps min(C, T) (or kvpress's int(T(1-r)) for a ratio)."""
+
+    def allocate(
+        self,
+        lengths: Sequence[int],
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        budget: int | None,
+        ratio: float | None,
+        protect: int,
+        compat: str,
+    ) -> Allocation:
+        rows = [[min(c, t)] * num_layers for c, t in zip(row_budgets(lengths, budget, ratio, compat), lengths)]
+        return _make(rows, [[-1] * num_layers for _ in lengths], rows, lengths)
+
+
+# ----------------------------------------------------------------------------- pyramid
+
+
+def pyramid_paper(length: int, budget: int, window: int, num_layers: int, beta: int) -> list[int]:
+    """KVCache-Factory's integer PyramidKV rule: kept tokens per layer, window included (§6)."""
+    T, C, w = length, budget, window
+    if T < C:
+        return [T] * num_layers
+    b0 = C - w
+    if T < 2 * b0 or num_layers == 1:
+        return [min(T, b0 + w)] * num_layers
+    min_ = b0 // beta
+    max_ = 2 * b0 - min_
+    if max_ >= T - w:
+        max_ = T - w
+        min_ = 2 * b0 - max_
+    step = (max_ - min_) // (num_layers - 1)
+    return [min(T, max(0, max_ - l * step) + w) for l in range(num_layers)]
+
+
+def pyramid_kvpress(length: int, kept: float, window: int, num_layers: int, beta: int) -> list[int]:
+    """kvpress's float PyramidKV rule with round(); `kept` = T*(1-r); window included (§6)."""
+    T, K, w = length, kept, window
+    min_ = K / beta
+    max_ = 2 * K - min_
+    if max_ >= T - w:
+        max_ = T - w
+        min_ = 2 * K - max_
+    if not (T >= max_ >= min_ >= w) or num_layers == 1:
+        return [min(T, round(K))] * num_layers
+    return [min(T, round(max_ - l * (max_ - min_) / (num_layers - 1))) for l in range(num_layers)]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Pyramid(Allocator):
+    """PyramidKV's linearly decreasing per-layer budgets, uniform across heads.
+
+    rule="paper": KVCache-Factory's integer rule (no compression if T < C; uniform if T < 2(C-w)).
+    rule="kvpress": kvpress's float rule with round() and its uniform fallback.
+    """
+
+    beta: int = 20
+    rule: str = "paper"
+
+    def __post_init__(self) -> None:
+        check_int("beta", self.beta, 1)
+        check_choice("rule", self.rule, RULES)
+
+    def allocate(
+        self,
+        lengths: Sequence[int],
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        budget: int | None,
+        ratio: float | None,
+        protect: int,
+        compat: str,
+    ) -> Allocation:
+        rows = []
+        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
+            if self.rule == "paper":
+                rows.append(pyramid_paper(t, c, protect, num_layers, self.beta))
+            else:
+                k = t * (1 - ratio) if ratio is not None else float(budget)
+                rows.append(pyramid_kvpress(t, k, protect, num_layers, self.beta))
+        return _make(rows, [[-1] * num_layers for _ in lengths], rows, lengths)
+
+
+# ----------------------------------------------------------------------------- Ada-KV
+
+
+def ada_pyramid_base(length: int, base: int, window: int, num_layers: int, beta: int) -> list[int]:
+    """Ada-KV's pyram mode: the per-layer non-window capacity (no short-prompt branches)."""
+    min_ = base // beta
+    max_ = 2 * base - min_
+    if max_ >= length - window:
+        max_ = length - window
+        min_ = 2 * base - max_
+    step = (max_ - min_) // (num_layers - 1) if num_layers > 1 else 0
+    return [max_ - l * step for l in range(num_layers)]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Ada(Allocator):
+    """Ada-KV head-wise allocation within each layer, over any scorer (a wrapper, like AdaKVPress).
+
+    rule="paper" (FFY0/AdaKV): B' = C - w non-window entries per head on average; no compression
+      when C > T, nor in a layer whose B' > T - w (pyram mode); the global top Hkv*B' non-window
+      scores give count_h per head and cap_h = round(count_h*(1-alpha) + int(B'*alpha)), so the
+      layer total is Hkv*B' only up to that rounding; layers < skip keep B' per head;
+      `pyramid_beta` switches on pyram mode (B' per layer from the PyramidKV schedule);
+      `normalize` weights each head by (sum of its top-B' scores)/(sum of its scores).
+    rule="kvpress" (AdaKVPress): n_kept = int(T(1-r)) including the window; each head's top
+      n_safe = int(n_kept*alpha) first, then a global top-k over the rest.
+    """
+
+    alpha: float = 0.2
+    rule: str = "paper"
+    normalize: bool = False
+    skip: int = 0
+    pyramid_beta: int | None = None
+
+    def __post_init__(self) -> None:
+        check_float("alpha", self.alpha, 0.0, 1.0)
+        check_choice("rule", self.rule, RULES)
+        if not isinstance(self.normalize, bool):
+            raise TypeError(f"normalize must be a bool, got {self.normalize!r}")
+        check_int("skip", self.skip, 0)
+        if self.pyramid_beta is not None:
+            check_int("pyramid_beta", self.pyramid_beta, 1)
+        if self.rule == "kvpress" and (self.normalize or self.skip or self.pyramid_beta is not None):
+            raise ValueError("normalize, skip and pyramid_beta belong to rule='paper'; AdaKVPress has none of them")
+
+    def allocate(
+        self,
+        lengths: Sequence[int],
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        budget: int | None,
+        ratio: float | None,
+        protect: int,
+        compat: str,
+    ) -> Allocation:
+        w, H = protect, num_kv_heads
+        counts, extra, bound = [], [], []
+        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
+            rc, re, rb = [], [], []
+            if self.rule == "kvpress":
+                n_kept = min(c, t)
+                n_safe = int(n_kept * self.alpha)
+                if compat == "main" and n_kept > 0:
+                    n_safe = max(1, n_safe)
+                compress = n_kept < t
+                rc, re = [n_kept] * num_layers, [n_safe if compress else -1] * num_layers
+                rb = [min(t, n_safe + H * (n_kept - n_safe)) if compress else t] * num_layers
+            else:
+                if c > t:  # §1.1: Ada-KV leaves the prompt whole when C - w > T - w
+                    bases = [t] * num_layers
+                elif self.pyramid_beta is not None:
+                    bases = ada_pyramid_base(t, c - w, w, num_layers, self.pyramid_beta)
+                else:
+                    bases = [c - w] * num_layers
+                for l, bp in enumerate(bases):
+                    if bp > t - w:  # no compression
+                        rc.append(t), re.append(-1), rb.append(t)
+                        continue
+                    floor = int(bp * self.alpha)
+                    rc.append(bp + w), re.append(floor)
+                    if l < self.skip:
+                        rb.append(bp + w)
+                    else:
+                        most = min(t - w, H * bp) * (1 - self.alpha) + floor
+                        rb.append(min(t, w + math.ceil(most)))
+            counts.append(rc), extra.append(re), bound.append(rb)
+        return _make(counts, extra, bound, lengths)
+
+    def head_counts(self, plan: Plan, scored: Scored, cache: Any, obs: Any, protect: int) -> jax.Array:
+        L, B, H, C = cache.valid.shape
+        counts, extra = as_i32(plan.counts), as_i32(plan.extra)
+        lengths = as_i32(plan.lengths)
+        compress = extra >= 0
+        valid, pos, prot = cache.valid, cache.pos, scored.protected & cache.valid
+        s = scored.scores.astype(jnp.float32)
+        flat = lambda x: x.reshape(L, B, H * C)  # noqa: E731  (head-major, so ties go to lower heads)
+        if self.rule == "kvpress":
+            n_kept, n_safe = counts, jnp.maximum(extra, 0)
+            r_head = rank(s, valid, pos=pos, protected=prot)
+            rest = valid & (r_head >= n_safe[:, :, None, None])
+            r_glob = rank(flat(s), flat(rest), pos=flat(pos), protected=flat(prot))
+            n_glob = (H * (n_kept - n_safe))[..., None]
+            chosen = (flat(rest) & (r_glob < n_glob)).reshape(L, B, H, C).sum(-1)
+            per_head = jnp.minimum(n_safe[..., None], valid.sum(-1)) + chosen
+        else:
+            cand = valid & ~prot
+            bp = counts - protect  # B' per (layer, row)
+            if self.normalize:
+                s = s * _top_share(s, cand, bp)
+            r_glob = rank(flat(s), flat(cand), pos=flat(pos))
+            chosen = (flat(cand) & (r_glob < (H * bp)[..., None])).reshape(L, B, H, C).sum(-1)
+            caps = jnp.round(chosen.astype(jnp.float32) * jnp.float32(1 - self.alpha) + extra[..., None])
+            caps = caps.astype(jnp.int32)
+            skipped = (jnp.arange(L) < self.skip)[:, None, None]
+            caps = jnp.where(skipped, bp[..., None], caps)
+            per_head = caps + prot.sum(-1)
+        return jnp.where(compress[..., None], per_head, lengths[None, :, None]).astype(jnp.int32)
+
+
+def _top_share(s: jax.Array, cand: jax.Array, bp: jax.Array) -> jax.Array:
+    """Per head: (sum of the top-B' candidate scores) / (sum of all candidate scores), [L,B,H,1]."""
+    desc = -jnp.sort(-jnp.where(cand, s, -jnp.inf), axis=-1)
+    desc = jnp.where(jnp.isfinite(desc), desc, 0.0)
+    csum = jnp.cumsum(desc, axis=-1)
+    idx = jnp.clip(bp - 1, 0, s.shape[-1] - 1)[:, :, None, None]
+    top = jnp.take_along_axis(csum, jnp.broadcast_to(idx, s.shape[:3] + (1,)), -1)
+    top = jnp.where(bp[:, :, None, None] > 0, top, 0)
+    total = csum[..., -1:]
+    return top / jnp.where(total > 0, total, 1)
+
+
+# ----------------------------------------------------------------------------- CAKE
+
+
+def cake_statistics(
+    obs: Any, cache: Any, lengths: jax.Array, window: int, scale: float
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """CAKE's per-layer statistics over A°, the window attention on non-window keys (§8).
+
+    Returns (entropy H [L,B], variance V [L,B], mean_i A [L,B,Hkv,G,C], unbiased var_i A
+    [L,B,Hkv,G,C], candidate mask [L,B,Hkv,C]). Statistics are per row (CAKE runs batch 1).
+    """
+    q, qp = last_window(obs, window)
+    m = window_moments(q, qp, cache, scale=scale, group_reduce=None, moments=("sum", "sumsq", "entropy"))
+    cand = cache.valid & (cache.pos < (lengths - window)[None, :, None, None])
+    c5 = cand[:, :, :, None, :]
+    mean = m["sum"] / window
+    var = jnp.maximum((m["sumsq"] - m["sum"] * mean) / (window - 1), 0.0)
+    ent = jnp.where(c5, m["entropy"], 0.0).sum((2, 3, 4))
+    tot_var = jnp.where(c5, var, 0.0).sum((2, 3, 4))
+    return ent, tot_var, mean, var, cand
+
+
+def cake_log_preference(ent: jax.Array, var: jax.Array, tau1: float, tau2: float) -> jax.Array:
+    """log P_l = log H_l / tau1 + log V_l / tau2 (log space avoids fp32 overflow), [L,B]."""
+    return jnp.log(ent) / tau1 + jnp.log(var) / tau2
+
+
+def cake_adjust_budgets(raw: jax.Array, total: jax.Array, bound: jax.Array) -> jax.Array:
+    """cakekv's `adjust_budgets`, vectorised over rows: raw [L,B] float, total [B], bound [B] -> [L,B].
+
+    Truncate; clip to `bound`, spreading the excess over unclipped layers (remainder to the first);
+    then force the sum to `total` over layers below the bound (adding) or above 1 (removing).
+    """
+    b = jnp.floor(raw).astype(jnp.int32)
+    bound = bound[None, :]
+
+    def spread(b, amount, ok):
+        n_ok = ok.sum(0)
+        safe = jnp.maximum(n_ok, 1)
+        first = ok & (jnp.cumsum(ok, 0) <= (amount % safe)[None])
+        return jnp.where((n_ok > 0)[None], ok * (amount // safe)[None] + first, 0)
+
+    excess = jnp.maximum(b - bound, 0).sum(0)
+    b = jnp.minimum(b, bound)
+    b = b + jnp.where((excess > 0)[None], spread(b, excess, b < bound), 0)
+    diff = total - b.sum(0)
+    ok = jnp.where((diff > 0)[None], b < bound, b > 1)
+    return b + jnp.sign(diff)[None] * spread(b, jnp.abs(diff), ok)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cake(Allocator):
+    """CAKE's layer budgets from the layer preference P_l = H_l^(1/tau1) * V_l^(1/tau2) (§8).
+
+    With C the average budget and w the protected window: no eviction when T <= C + w; else the
+    total (C - w)*L is split by P_l, fixed up by `adjust_budgets` and clipped. parity=True clips
+    at T - w (the original, no memory saved); parity=False clips at min(T - w, cap_factor*(C - w))
+    so that the cache compacts [kvjax choice]. Statistics use the last `window` queries.
+    """
+
+    tau1: float = 1.0
+    tau2: float = 1.0
+    window: int = 32
+    cap_factor: int = 2
+    parity: bool = False
+
+    def __post_init__(self) -> None:
+        check_float("tau1", self.tau1, 0.0, math.inf, lo_open=True, hi_open=True)
+        check_float("tau2", self.tau2, 0.0, math.inf, lo_open=True, hi_open=True)
+        check_int("window", self.window, 2)
+        check_int("cap_factor", self.cap_factor, 1)
+        if not isinstance(self.parity, bool):
+            raise TypeError(f"parity must be a bool, got {self.parity!r}")
+
+    def requirements(self) -> Requirements:
+        return Requirements(window=self.window)
+
+    def clip_bound(self, length: int, budget: int, protect: int) -> int:
+        if self.parity:
+            return length - protect
+        return min(length - protect, self.cap_factor * (budget - protect))
+
+    def allocate(
+        self,
+        lengths: Sequence[int],
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        budget: int | None,
+        ratio: float | None,
+        protect: int,
+        compat: str,
+    ) -> Allocation:
+        counts, extra, bound = [], [], []
+        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
+            if t <= c + protect:
+                counts.append([t] * num_layers), extra.append([-1] * num_layers), bound.append([t] * num_layers)
+            else:
+                clip = self.clip_bound(t, c, protect)
+                counts.append([c] * num_layers), extra.append([clip] * num_layers)
+                bound.append([clip + protect] * num_layers)
+        return _make(counts, extra, bound, lengths)
+
+    def layer_budgets(self, plan: Plan, log_pref: jax.Array, protect: int) -> jax.Array:
+        """Non-window budget per (layer, row) [L,B] int32 before clipping (the cakekv b_l)."""
+        L = log_pref.shape[0]
+        # per-row constants (min/max over layers, in case a scorer left some layers whole)
+        nominal, clip = as_i32(plan.counts).min(0), as_i32(plan.extra).max(0)
+        total = (nominal - protect) * L
+        lp = jnp.where(jnp.isnan(log_pref), -jnp.inf, log_pref)
+        lp = jnp.where(jnp.isfinite(lp).any(0, keepdims=True), lp, 0.0)  # all-degenerate row: uniform
+        share = jax.nn.softmax(lp, axis=0)
+        return cake_adjust_budgets(share * total[None].astype(jnp.float32), total, jnp.maximum(clip, 0))
+
+    def head_counts(self, plan: Plan, scored: Scored, cache: Any, obs: Any, protect: int) -> jax.Array:
+        log_pref = scored.aux.get("cake_log_pref")
+        if log_pref is None:
+            lengths = as_i32(plan.lengths)
+            scale = attention_scale(obs, cache.k.shape[-1], True)
+            ent, var, *_ = cake_statistics(obs, cache, lengths, self.window, scale)
+            log_pref = cake_log_preference(ent, var, self.tau1, self.tau2)
+        return self.kept_from_budgets(plan, self.layer_budgets(plan, log_pref, protect), scored.protected, cache)
+
+    def kept_from_budgets(self, plan: Plan, budgets: jax.Array, protected: jax.Array, cache: Any) -> jax.Array:
+        clip, lengths = as_i32(plan.extra), as_i32(plan.lengths)
+        kept = jnp.clip(budgets, 0, jnp.maximum(clip, 0))[..., None] + (protected & cache.valid).sum(-1)
+        return jnp.where((clip >= 0)[..., None], kept, lengths[None, :, None]).astype(jnp.int32)

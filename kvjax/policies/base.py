@@ -1,0 +1,369 @@
+"""Policy protocol, plan, selection primitive and kvpress budget arithmetic (policies.md §1).
+
+The engine calls, in order (shapes: L layers, B rows, Hkv KV heads, C slots, G = Hq // Hkv):
+
+    plan  = policy.plan(lengths, L, Hkv, budget=..., compression_ratio=..., max_new_tokens=...)  # host
+    keep, slot_state = policy.prefill_keep(plan, cache, obs)             # jit; keep [L,B,Hkv,C] bool
+    cache, src = cache.compact(keep, plan.capacity)                      # (or cache.evict(keep))
+    state = policy.init_decode(plan, cache, gather_slots(slot_state, src))
+    each step t = 1, 2, ...: write the token, attend with the un-evicted cache, then
+    state, keep = policy.decode_update(plan, state, cache, step_probs, written, t); cache = cache.evict(keep)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+KVPRESS_COMPAT = ("0.5.4", "main")
+
+
+# ----------------------------------------------------------------------------- protocol types
+
+
+@dataclasses.dataclass(frozen=True)
+class Requirements:
+    """What prefill must observe for a policy.
+
+    window: number of trailing real prompt tokens whose post-RoPE queries are kept (0 = none).
+    column_mass: whether the attention mass of all causal prompt queries per key is needed.
+    step_probs: whether decoding must hand `decode_update` the step's attention probabilities
+      (decode-time policies); False means `decode_update` need not be called at all.
+    lookahead: number of learned lookahead queries (reserved for LookaheadKV scorers).
+    """
+
+    window: int = 0
+    column_mass: bool = False
+    step_probs: bool = False
+    lookahead: int = 0
+
+    def merge(self, other: "Requirements") -> "Requirements":
+        return Requirements(
+            window=max(self.window, other.window),
+            column_mass=self.column_mass or other.column_mass,
+            step_probs=self.step_probs or other.step_probs,
+            lookahead=max(self.lookahead, other.lookahead),
+        )
+
+
+@struct.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """Host-side decisions for one batch: hashable (a jit static argument) and a pytree.
+
+    The integer tuples are pytree leaves, so the plan may also be passed to `jit` as a traced
+    argument (one compile per bucket instead of per length tuple); `capacity`, `compact` and
+    `max_new_tokens` are static metadata either way.
+
+    lengths:       [B] real prompt lengths T_b.
+    counts:        [L][B] prompt tokens kept per KV head, protected tokens included. Exact for
+                   uniform and per-layer budgets; the nominal per-head average for head- or
+                   data-adaptive allocators (Ada-KV, CAKE).
+    extra:         [L][B] allocator data (Ada-KV floor, CAKE clip bound; -1 = no compression).
+    decode_budget: [B] per-head entries kept after each decode-time eviction (() if none).
+    capacity:      slots per (layer, row, head) the cache needs after prefill, decode room included.
+    compact:       False when prefill evicts nothing (keep == valid), so the gather may be skipped.
+    """
+
+    lengths: tuple[int, ...]
+    counts: tuple[tuple[int, ...], ...]
+    extra: tuple[tuple[int, ...], ...] = ()
+    decode_budget: tuple[int, ...] = ()
+    capacity: int = struct.field(pytree_node=False, default=0)
+    compact: bool = struct.field(pytree_node=False, default=True)
+    max_new_tokens: int = struct.field(pytree_node=False, default=0)
+
+
+def as_i32(x: Any) -> jax.Array:
+    """A plan field (static tuple or traced leaves) as an int32 array."""
+    return jnp.asarray(x, dtype=jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Policy:
+    """Base of every policy: a frozen dataclass of hyperparameters plus pure functions.
+
+    query_aware: whether the eval compresses the prompt with the question (paper presets) or the
+      context alone (kvpress presets, policies.md §1.3). Read by the engine, not by the policy.
+    kvpress_compat: "0.5.4" (plain int(T*(1-r))) or "main" (max(1, ...)), policies.md §1.1.
+    """
+
+    name: ClassVar[str] = "policy"
+
+    query_aware: bool = True
+    kvpress_compat: str = "0.5.4"
+
+    def __post_init__(self) -> None:
+        check_choice("kvpress_compat", self.kvpress_compat, KVPRESS_COMPAT)
+        check_bool("query_aware", self.query_aware)
+
+    @property
+    def decode_time(self) -> bool:
+        """Whether the policy evicts during decoding."""
+        return self.requirements().step_probs
+
+    def requirements(self) -> Requirements:
+        return Requirements()
+
+    def plan(
+        self,
+        lengths: Sequence[int],
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        budget: int | None = None,
+        compression_ratio: float | None = None,
+        max_new_tokens: int = 0,
+        bucket: int | None = None,
+        question_tokens: int = 0,
+    ) -> Plan:
+        """Host-side plan for rows of `lengths` prompt tokens (`bucket`: their padded length).
+
+        Exactly one of `budget` (entries kept per KV head, protected tokens included; the average
+        over layers and heads for allocating policies) and `compression_ratio` (kvpress's fraction
+        removed, n_kept = int(T * (1 - r)) per row) must be given. Raises ValueError/TypeError.
+        max_new_tokens: every token appended after prefill (question tokens included).
+        question_tokens: how many of those the engine appends without calling `decode_update`
+          (context-then-question mode); decode-time capacities grow by that much, and the first
+          `decode_update` evicts back to the budget.
+        """
+        req = PlanRequest.checked(
+            lengths, num_layers, num_kv_heads, budget, compression_ratio, max_new_tokens, bucket, question_tokens
+        )
+        return self.build_plan(req)
+
+    def build_plan(self, req: "PlanRequest") -> Plan:
+        raise NotImplementedError
+
+    def prefill_keep(self, plan: Plan, cache: Any, obs: Any) -> tuple[jax.Array, Any]:
+        raise NotImplementedError
+
+    def init_decode(self, plan: Plan, cache: Any, slot_state: Any) -> Any:
+        """Decode state after compaction; prefill-only policies carry none."""
+        return ()
+
+    def decode_update(
+        self, plan: Plan, state: Any, cache: Any, step_probs: jax.Array, written: jax.Array, t: jax.Array
+    ) -> tuple[Any, jax.Array]:
+        """Prefill-only policies never evict during decoding."""
+        return state, cache.valid
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def check_choice(name: str, value: Any, choices: Sequence[Any]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {tuple(choices)}, got {value!r}")
+
+
+def check_int(name: str, value: Any, minimum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def check_float(name: str, value: Any, lo: float, hi: float, *, hi_open: bool = False, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"{name} must be a finite float, got {value!r}")
+    bad_lo = value <= lo if lo_open else value < lo
+    bad_hi = value >= hi if hi_open else value > hi
+    if bad_lo or bad_hi:
+        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        raise ValueError(f"{name} must lie in {interval}, got {value}")
+
+
+def check_pool_kernel(name: str, kernel: Any) -> None:
+    check_int(name, kernel, 1)
+    if kernel % 2 == 0:
+        raise ValueError(f"{name} must be odd (same-padding pooling), got {kernel}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanRequest:
+    """The validated arguments of `Policy.plan`."""
+
+    lengths: tuple[int, ...]
+    num_layers: int
+    num_kv_heads: int
+    budget: int | None
+    ratio: float | None
+    max_new_tokens: int
+    bucket: int | None
+    question_tokens: int = 0
+
+    @classmethod
+    def checked(
+        cls,
+        lengths: Sequence[int],
+        num_layers: int,
+        num_kv_heads: int,
+        budget: Any,
+        ratio: Any,
+        max_new_tokens: int,
+        bucket: int | None,
+        question_tokens: int = 0,
+    ) -> "PlanRequest":
+        if (budget is None) == (ratio is None):
+            got = "both" if budget is not None else "neither"
+            raise ValueError(
+                "pass exactly one of budget= (tokens kept per KV head, an int >= 1) or compression_ratio= "
+                f"(fraction removed, 0 <= r < 1); got {got}"
+            )
+        if budget is not None:
+            check_int("budget", budget, 1)
+        else:
+            check_float("compression_ratio", ratio, 0.0, 1.0, hi_open=True)
+        lengths = tuple(lengths)
+        if not lengths:
+            raise ValueError("lengths must name at least one row")
+        for i, n in enumerate(lengths):
+            check_int(f"lengths[{i}]", n, 1)
+        check_int("num_layers", num_layers, 1)
+        check_int("num_kv_heads", num_kv_heads, 1)
+        check_int("max_new_tokens", max_new_tokens, 0)
+        if bucket is not None:
+            check_int("bucket", bucket, max(lengths))
+        check_int("question_tokens", question_tokens, 0)
+        if question_tokens > max_new_tokens:
+            raise ValueError(f"question_tokens={question_tokens} must not exceed max_new_tokens={max_new_tokens}")
+        return cls(lengths, num_layers, num_kv_heads, budget, ratio, max_new_tokens, bucket, question_tokens)
+
+    def row_budgets(self, compat: str) -> tuple[int, ...]:
+        """Per-row absolute budget: `budget` itself, or kvpress's n_kept for a ratio."""
+        return row_budgets(self.lengths, self.budget, self.ratio, compat)
+
+    def finish(
+        self,
+        counts: Sequence[Sequence[int]],
+        *,
+        capacity: int,
+        evicts: bool,
+        extra: Sequence[Sequence[int]] = (),
+        decode_budget: Sequence[int] = (),
+    ) -> Plan:
+        """Builds the Plan. No head ever holds more than max(T) + max_new_tokens entries, so the
+        capacity is capped there; the cache is compacted when prefill evicts or when that saves slots."""
+        most = max(self.lengths) + self.max_new_tokens
+        capacity = max(1, min(capacity, most))
+        prefill_slots = (self.bucket if self.bucket is not None else max(self.lengths)) + self.max_new_tokens
+        return Plan(
+            lengths=self.lengths,
+            counts=tuple(tuple(int(c) for c in row) for row in counts),
+            extra=tuple(tuple(int(c) for c in row) for row in extra),
+            decode_budget=tuple(int(c) for c in decode_budget),
+            capacity=int(capacity),
+            compact=bool(evicts or capacity < prefill_slots),
+            max_new_tokens=self.max_new_tokens,
+        )
+
+
+# ----------------------------------------------------------------------------- budget arithmetic
+
+
+def kvpress_n_kept(length: int, ratio: float, compat: str = "0.5.4") -> int:
+    """kvpress's `int(T * (1 - r))`, in Python float64 and in that order (policies.md §1.1)."""
+    n = int(length * (1 - ratio))
+    if compat == "main":
+        return max(1, n) if ratio < 1 else 0
+    return n
+
+
+def row_budgets(lengths: Sequence[int], budget: int | None, ratio: float | None, compat: str) -> tuple[int, ...]:
+    """Per-row absolute budget: `budget` itself, or kvpress's n_kept for a ratio."""
+    if budget is not None:
+        return tuple(budget for _ in lengths)
+    return tuple(kvpress_n_kept(t, ratio, compat) for t in lengths)
+
+
+def check_protected(name: str, budgets: Sequence[int], lengths: Sequence[int], protect: int, *, ratio: bool) -> None:
+    """Paper presets: a budget must exceed the protected tokens (policies.md §1.6)."""
+    for b, (c, t) in enumerate(zip(budgets, lengths)):
+        if c <= protect and (not ratio or c < t):
+            what = f"budget={c}" if not ratio else f"row {b}: the ratio leaves {c} of {t} tokens, which"
+            raise ValueError(
+                f"{name}: {what} must exceed the {protect} protected tokens (window/sinks); "
+                "raise the budget or use the *_kvpress preset, which keeps the most recent protected tokens"
+            )
+
+
+# ----------------------------------------------------------------------------- selection
+
+
+def _order_keys(
+    scores: jax.Array, valid: jax.Array, pos: jax.Array, protected: jax.Array | None, tiebreak: jax.Array | None
+) -> list[jax.Array]:
+    prot = valid & protected if protected is not None else jnp.zeros_like(valid)
+    normal = valid & ~prot
+    group = jnp.where(valid, jnp.where(prot, 0, 1), 2).astype(jnp.int32)
+    s = scores.astype(jnp.float32)
+    s = jnp.where(s == 0, jnp.float32(0), s)  # -0.0 ties with +0.0
+    keys = [group, jnp.where(normal, -s, jnp.float32(0))]
+    if tiebreak is not None:
+        keys.append(jnp.where(normal, -tiebreak, jnp.zeros_like(tiebreak)))
+    pos = pos.astype(jnp.int32)
+    keys.append(jnp.where(prot, -pos, pos))
+    return keys
+
+
+def rank(
+    scores: jax.Array,
+    valid: jax.Array,
+    *,
+    pos: jax.Array,
+    protected: jax.Array | None = None,
+    tiebreak: jax.Array | None = None,
+) -> jax.Array:
+    """Rank of every slot along the last axis (0 = kept first), int32, same shape as `scores`.
+
+    Order: valid protected slots (most recent first), then valid slots by score descending,
+    then `tiebreak` descending, then lower position first; invalid slots last. One stable sort
+    plus one sort to invert the permutation (ties beyond these keys go to the lower slot index).
+    """
+    keys = _order_keys(scores, valid, pos, protected, tiebreak)
+    iota = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
+    perm = jax.lax.sort((*keys, iota), dimension=-1, is_stable=True, num_keys=len(keys))[-1]
+    return jax.lax.sort((perm, iota), dimension=-1, is_stable=True, num_keys=1)[1]
+
+
+def select(
+    scores: jax.Array,
+    valid: jax.Array,
+    counts: jax.Array,
+    *,
+    pos: jax.Array,
+    protected: jax.Array | None = None,
+    tiebreak: jax.Array | None = None,
+) -> jax.Array:
+    """Keep mask: the `counts[...]` first valid slots of each row in `rank` order.
+
+    scores, valid, pos, protected, tiebreak: [..., C]; counts: broadcastable to [...] (static or
+    traced). Protected slots come first, so a count below the protected set keeps the most recent.
+    """
+    r = rank(scores, valid, pos=pos, protected=protected, tiebreak=tiebreak)
+    return valid & (r < jnp.asarray(counts, jnp.int32)[..., None])
+
+
+def recent_mask(pos: jax.Array, valid: jax.Array, n: jax.Array | int) -> jax.Array:
+    """The `n` valid slots with the largest positions, per row of the last axis."""
+    r = rank(pos.astype(jnp.float32), valid, pos=pos)
+    return valid & (r < jnp.asarray(n, jnp.int32)[..., None])
+
+
+def window_protected(pos: jax.Array, valid: jax.Array, lengths: jax.Array, window: int) -> jax.Array:
+    """Prefill protection of the last `window` real tokens of each row: pos >= len_b - window.
+
+    pos, valid: [L, B, Hkv, C]; lengths: [B].
+    """
+    return valid & (pos >= (lengths - window)[None, :, None, None])

@@ -1,0 +1,97 @@
+"""Shared scoring helpers: observation-window attention, pooling, GQA reduction (policies.md §1.7-1.9).
+
+All scores are float32. Prefill scorers rely on the engine fact that, right after prefill,
+slot i of row b holds position i (right padding), so pooling along slots is pooling along
+positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.kernels import window_scores
+from kvjax.policies.base import check_choice
+
+POOLINGS = ("max", "avg", "none")
+GQA_REDUCES = ("mean", "max", "sum")
+
+
+def group_reduce_fn(x: jax.Array, how: str, axis: int) -> jax.Array:
+    check_choice("gqa_reduce", how, GQA_REDUCES)
+    return {"mean": jnp.mean, "max": jnp.max, "sum": jnp.sum}[how](x, axis=axis)
+
+
+def attention_scale(obs: Any, head_dim: int, use_model_scale: bool) -> float:
+    """The model's attention scale when the observations carry one (`attn_scale`), else 1/sqrt(d)."""
+    scale = getattr(obs, "attn_scale", None) if use_model_scale else None
+    return float(scale) if scale is not None else head_dim**-0.5
+
+
+def window_moments(
+    queries: jax.Array,
+    query_positions: jax.Array,
+    cache: Any,
+    *,
+    scale: float,
+    group_reduce: str | None,
+    moments: Sequence[str],
+) -> dict[str, jax.Array]:
+    """Window attention moments for every layer.
+
+    queries [L,B,Hq,w,D]; query_positions [B,w]; cache.k [L,B,Hkv,S,D], cache.pos [L,B,Hkv,S].
+    Returns float32 [L,B,Hkv,S] per moment (or [L,B,Hkv,G,S] when group_reduce is None).
+    Layers are folded into the batch so that the kernel runs once.
+    """
+    L, B, Hq, w, D = queries.shape
+    Hkv, S = cache.k.shape[2], cache.k.shape[3]
+    qpos = jnp.broadcast_to(query_positions[None], (L, B, w)).reshape(L * B, w)
+    out = window_scores(
+        queries.reshape(L * B, Hq, w, D),
+        cache.k.reshape(L * B, Hkv, S, D),
+        qpos.astype(jnp.int32),
+        cache.pos.reshape(L * B, Hkv, S).astype(jnp.int32),
+        scale=scale,
+        group_reduce=group_reduce,
+        moments=tuple(moments),
+    )
+    return {k: v.astype(jnp.float32).reshape((L, B) + v.shape[1:]) for k, v in out.items()}
+
+
+def last_window(obs: Any, w: int) -> tuple[jax.Array, jax.Array]:
+    """The last `w` window queries [L,B,Hq,w,D] and their positions [B,w] from the observations."""
+    q, p = obs.window_queries, obs.window_positions
+    if q.shape[3] < w:
+        raise ValueError(f"observations hold a window of {q.shape[3]} queries; this policy needs {w}")
+    return q[:, :, :, q.shape[3] - w :, :], p[:, p.shape[1] - w :]
+
+
+def pool1d(x: jax.Array, region: jax.Array, kernel: int, kind: str) -> jax.Array:
+    """Stride-1 'same' pooling along the last axis over the slots in `region` (policies.md §1.8).
+
+    Slots outside `region` act as padding: zeros for "avg" (every output divided by `kernel`, as
+    PyTorch's count_include_pad) and -inf for "max". The region must be contiguous.
+    """
+    check_choice("pooling", kind, POOLINGS)
+    if kind == "none" or kernel <= 1:
+        return jnp.where(region, x, 0)
+    pad = [(0, 0)] * (x.ndim - 1) + [(kernel // 2, kernel // 2)]
+    dims = (1,) * (x.ndim - 1) + (kernel,)
+    strides = (1,) * x.ndim
+    if kind == "avg":
+        s = jax.lax.reduce_window(jnp.where(region, x, 0.0), 0.0, jax.lax.add, dims, strides, pad)
+        return s / kernel
+    return jax.lax.reduce_window(jnp.where(region, x, -jnp.inf), -jnp.inf, jax.lax.max, dims, strides, pad)
+
+
+class Scored(NamedTuple):
+    """A prefill scorer's output. scores: float32 [L,B,Hkv,C], higher = keep (only candidate slots
+    matter); protected: bool [L,B,Hkv,C] slots kept first (window, sinks); aux: extra arrays
+    (e.g. CAKE's layer preference) that an allocator may reuse."""
+
+    scores: jax.Array
+    protected: jax.Array
+    aux: dict

@@ -1,0 +1,132 @@
+"""Random prefill inputs for policy tests: GQA 8 query heads over 2 KV heads, right-padded batch."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.cache import KVCache
+from kvjax.observations import Observations
+
+HQ, HKV, D = 8, 2, 8
+G = HQ // HKV
+LENGTHS = (29, 17, 23)
+
+
+@dataclasses.dataclass
+class Inputs:
+    """NumPy copies (for references) and the JAX cache / observations (for policies).
+
+    q [L,B,Hq,S,D]: every prompt query (post-RoPE stand-in); k [L,B,Hkv,S,D]; lengths [B].
+    mass [L,B,Hkv,S]: column mass of all causal prompt queries, summed over the group.
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    lengths: tuple[int, ...]
+    window: int
+    mass: np.ndarray
+    cache: KVCache
+    obs: Observations
+
+    @property
+    def num_layers(self) -> int:
+        return self.k.shape[0]
+
+
+def causal_column_mass(q: np.ndarray, k: np.ndarray, lengths) -> np.ndarray:
+    """Engine observation (float64 NumPy): sum over query i <= T-1 of softmax_j<=i, group summed."""
+    L, B, Hq, S, _ = q.shape
+    out = np.zeros((L, B, HKV, S))
+    for l in range(L):
+        for b, t in enumerate(lengths):
+            for h in range(Hq):
+                logits = q[l, b, h, :t] @ k[l, b, h // G, :t].T / np.sqrt(D)
+                logits = np.where(np.tril(np.ones((t, t), bool)), logits, -np.inf)
+                p = np.exp(logits - logits.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                out[l, b, h // G, :t] += p.sum(0)
+    return out
+
+
+def make_inputs(
+    seed: int = 0,
+    lengths: tuple[int, ...] = LENGTHS,
+    slots: int | None = None,
+    window: int = 8,
+    num_layers: int = 2,
+    q_scale: float = 2.5,
+    rows: list[int] | None = None,
+) -> Inputs:
+    """Random keys/queries; row b fills slots 0..len_b-1 at positions 0..len_b-1, the rest invalid.
+
+    `rows` picks rows of a larger random draw (so one sequence can be tested alone or in a batch
+    with identical contents): the draw always has max(lengths) tokens per row.
+    """
+    rng = np.random.default_rng(seed)
+    shape = (num_layers, len(lengths), HKV, max(lengths), D)
+    q = rng.normal(size=shape[:2] + (HQ,) + shape[3:]).astype(np.float32) * q_scale
+    k = rng.normal(size=shape).astype(np.float32)
+    v = rng.normal(size=shape).astype(np.float32)
+    if rows is not None:
+        q, k, v = q[:, rows], k[:, rows], v[:, rows]
+        lengths = tuple(lengths[r] for r in rows)
+    return build(q, k, v, lengths, slots or max(lengths), window)
+
+
+def build(q, k, v, lengths, slots, window) -> Inputs:
+    """Pads the per-row prompt arrays into `slots` cache slots and derives the observations."""
+    L, B, _, n, _ = q.shape
+    pad = slots - n
+    if pad > 0:
+        z = lambda x: np.concatenate([x, np.zeros(x.shape[:3] + (pad, D), x.dtype)], axis=3)  # noqa: E731
+        q, k, v = z(q), z(k), z(v)
+    q, k, v = q[:, :, :, :slots], k[:, :, :, :slots], v[:, :, :, :slots]
+    slot = np.arange(slots)
+    lens = np.asarray(lengths)
+    valid = slot[None, :] < lens[:, None]  # [B,S]
+    for b, t in enumerate(lengths):  # garbage beyond each prompt must not matter
+        k[:, b, :, t:] = 7.0
+        q[:, b, :, t:] = -3.0
+    pos = np.where(valid, slot[None, :], -1)
+    valid4 = np.broadcast_to(valid[None, :, None, :], (L, B, HKV, slots))
+    pos4 = np.broadcast_to(pos[None, :, None, :], (L, B, HKV, slots)).astype(np.int32)
+    cache = KVCache(k=jnp.asarray(k), v=jnp.asarray(v), pos=jnp.asarray(pos4), valid=jnp.asarray(valid4))
+    wpos = lens[:, None] - window + np.arange(window)[None, :]
+    idx = np.maximum(wpos, 0)
+    wq = np.take_along_axis(q, idx[None, :, None, :, None], axis=3)
+    mass = causal_column_mass(q, k, lengths)
+    obs = Observations(
+        window_queries=jnp.asarray(wq),
+        window_positions=jnp.asarray(np.where(wpos >= 0, wpos, -1).astype(np.int32)),
+        column_mass=jnp.asarray(mass.astype(np.float32)),
+        lengths=jnp.asarray(lens.astype(np.int32)),
+    )
+    return Inputs(q=q, k=k, lengths=tuple(lengths), window=window, mass=mass, cache=cache, obs=obs)
+
+
+def kept_positions(keep: np.ndarray, pos: np.ndarray) -> dict[tuple[int, int, int], set[int]]:
+    """{(layer, row, head): set of kept positions} from a keep mask and the slot positions."""
+    keep, pos = np.asarray(keep), np.asarray(pos)
+    out = {}
+    for idx in np.ndindex(keep.shape[:3]):
+        out[idx] = {int(p) for p in pos[idx][keep[idx]]}
+    return out
+
+
+def assert_same_kept(got: set[int], want: set[int], scores: dict[int, float], protected: set[int], tol=1e-5, where=""):
+    """Kept sets equal, except swaps of non-protected tokens whose reference scores tie (within
+    `tol`) at the selection boundary (policies.md §1.5: boundary ties are don't-care)."""
+    assert len(got) == len(want), f"{where}: kept {len(got)} entries, reference {len(want)}"
+    diff = got ^ want
+    if not diff:
+        return
+    assert not (diff & protected), f"{where}: protected tokens differ: {sorted(diff & protected)}"
+    boundary = min(scores[p] for p in want - protected)
+    for p in diff:
+        assert abs(scores[p] - boundary) <= tol * (1 + abs(boundary)), (
+            f"{where}: position {p} (score {scores[p]}) differs from the reference set (boundary {boundary}); "
+            f"got-only {sorted(got - want)}, ref-only {sorted(want - got)}"
+        )
