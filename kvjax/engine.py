@@ -33,7 +33,8 @@ class GenerateOutput:
     """tokens [B, max_new_tokens] int32 (padded with `pad_id` after a stop token);
     lengths [B]: generated tokens per row, the stop token included; texts: decoded answers
     (None without a tokenizer); prompt_lengths [B]; cache_bytes: allocated bytes of the decode cache;
-    kept [B]: KV entries kept per (layer, head) after prefill compression, averaged over layers and heads."""
+    kept [B]: KV entries kept per (layer, head) after prefill compression, averaged over layers and heads;
+    kept_final [B]: the same at the end of decoding (decode-time policies evict as they go)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -41,6 +42,7 @@ class GenerateOutput:
     prompt_lengths: np.ndarray
     cache_bytes: int
     kept: np.ndarray
+    kept_final: np.ndarray
     pad_id: int = 0
 
 
@@ -109,8 +111,8 @@ def _constrain(cache: KVCache, mesh) -> KVCache:
     return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "policy", "plan", "sampler", "mesh"))
-def _prefill(params, tokens, positions, lengths, key, *, cfg: ModelConfig, capacity: int, policy, plan, sampler: Sampler, mesh):
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "policy", "sampler", "mesh"))
+def _prefill(params, tokens, positions, lengths, key, plan, *, cfg: ModelConfig, capacity: int, policy, sampler: Sampler, mesh):
     """Prefill + optional compression. Returns first-token ids [B], cache, policy state, first logits [B,V]."""
     TRACE_COUNTS["prefill"] += 1
     B, T = tokens.shape
@@ -159,9 +161,9 @@ def _feed(params, cache, tokens, positions, logit_index, *, cfg: ModelConfig, me
     return logits, _constrain(cache, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "plan", "sampler", "stop_ids", "pad_id", "mesh"),
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "sampler", "stop_ids", "pad_id", "mesh"),
                    donate_argnames=("cache",))
-def _decode(params, cache, state, first, pos0, key, *, cfg: ModelConfig, steps: int, policy, plan, sampler: Sampler,
+def _decode(params, cache, state, first, pos0, key, plan, *, cfg: ModelConfig, steps: int, policy, sampler: Sampler,
             stop_ids: tuple[int, ...], pad_id: int, mesh):
     """Decodes `steps - 1` tokens after `first` [B] under `lax.while_loop`; returns tokens [B, steps]."""
     TRACE_COUNTS["decode"] += 1
@@ -198,11 +200,26 @@ def _decode(params, cache, state, first, pos0, key, *, cfg: ModelConfig, steps: 
 def _resolve_policy(policy):
     if policy is None:
         return None
-    if isinstance(policy, str):
-        from kvjax import policies
+    from kvjax.policies import resolve
 
-        return policies.get(policy)
-    return policy
+    return resolve(policy)
+
+
+def make_plan(policy, lengths: np.ndarray, cfg: ModelConfig, *, budget, compression_ratio, bucket: int,
+              room: int, question_tokens: int):
+    """The policy's host-side plan, its capacity lifted to what any batch of this bucket needs.
+
+    The plan goes to jit as a traced pytree (per-row counts are data), and its static capacity is
+    that of a row filling the bucket, so every batch of a bucket shares one compilation.
+    """
+    kw = dict(budget=budget, compression_ratio=compression_ratio, max_new_tokens=room, bucket=bucket,
+              question_tokens=question_tokens)
+    plan = policy.plan(tuple(int(x) for x in lengths), cfg.num_layers, cfg.num_kv_heads, **kw)
+    try:
+        widest = policy.plan((bucket,), cfg.num_layers, cfg.num_kv_heads, **kw)
+    except ValueError:  # e.g. a per-row rule the padded length cannot satisfy: keep the exact plan
+        return plan
+    return plan.replace(capacity=max(plan.capacity, widest.capacity), compact=plan.compact or widest.compact)
 
 
 def generate(
@@ -273,14 +290,14 @@ def generate(
     room = q_bucket + max_new_tokens
     plan = None
     if policy is not None:
-        plan = policy.plan(tuple(int(x) for x in lengths), cfg.num_layers, cfg.num_kv_heads, budget=budget,
-                           compression_ratio=compression_ratio, max_new_tokens=room, bucket=T)
+        plan = make_plan(policy, lengths, cfg, budget=budget, compression_ratio=compression_ratio, bucket=T,
+                         room=room, question_tokens=q_bucket)
     capacity = T + room
     tokens, positions = _pad(rows, T, pad_id)
     data = _batch_put(model.mesh, tokens, positions, lengths)
-    first, cache, state, _ = _prefill(model.params, *data, k_prefill, cfg=cfg, capacity=capacity, policy=policy,
-                                      plan=plan, sampler=sampler, mesh=model.mesh)
-    kept = np.asarray(jax.device_get(cache.num_valid().astype(jnp.float32).mean(axis=(0, 2))))
+    first, cache, state, _ = _prefill(model.params, *data, k_prefill, plan, cfg=cfg, capacity=capacity,
+                                      policy=policy, sampler=sampler, mesh=model.mesh)
+    kept = _mean_kept(cache)
     pos0 = jnp.asarray(lengths)
     if q_rows:
         q_tokens, q_pos = _pad(q_rows, q_bucket, pad_id)
@@ -290,8 +307,8 @@ def generate(
         first = sampler(logits[:, 0], k_question)
         pos0 = jnp.asarray(lengths + q_lengths)
     cache_bytes = cache.nbytes()
-    out, _ = _decode(model.params, cache, state, first, pos0, k_decode, cfg=cfg, steps=int(max_new_tokens),
-                     policy=policy, plan=plan, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id, mesh=model.mesh)
+    out, cache = _decode(model.params, cache, state, first, pos0, k_decode, plan, cfg=cfg, steps=int(max_new_tokens),
+                     policy=policy, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id, mesh=model.mesh)
     out = np.array(jax.device_get(out))
     out_lengths = np.full(B, max_new_tokens, np.int32)
     texts = [] if model.tokenizer is not None else None
@@ -303,7 +320,12 @@ def generate(
         if texts is not None:
             texts.append(model.tokenizer.decode(out[b, : out_lengths[b]].tolist(), skip_special_tokens=True))
     return GenerateOutput(tokens=out, lengths=out_lengths, texts=texts, prompt_lengths=lengths,
-                          cache_bytes=cache_bytes, kept=kept, pad_id=pad_id)
+                          cache_bytes=cache_bytes, kept=kept, kept_final=_mean_kept(cache), pad_id=pad_id)
+
+
+def _mean_kept(cache: KVCache) -> np.ndarray:
+    """Valid entries per (layer, head), averaged over layers and heads: [B]."""
+    return np.asarray(jax.device_get(cache.num_valid().astype(jnp.float32).mean(axis=(0, 2))))
 
 
 def _batch_put(mesh, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
@@ -350,11 +372,11 @@ def continuation_logits(
     n = bucket_length(int(c_lengths.max()), buckets)
     plan = None
     if policy is not None:
-        plan = policy.plan(tuple(int(x) for x in lengths), cfg.num_layers, cfg.num_kv_heads, budget=budget,
-                           compression_ratio=compression_ratio, max_new_tokens=n, bucket=T)
+        plan = make_plan(policy, lengths, cfg, budget=budget, compression_ratio=compression_ratio, bucket=T,
+                         room=n, question_tokens=n)
     tokens, positions = _pad(rows, T, pad_id)
     _, cache, _, _ = _prefill(model.params, *_batch_put(model.mesh, tokens, positions, lengths),
-                              jax.random.PRNGKey(0), cfg=cfg, capacity=T + n, policy=policy, plan=plan,
+                              jax.random.PRNGKey(0), plan, cfg=cfg, capacity=T + n, policy=policy,
                               sampler=Sampler(), mesh=model.mesh)
     c_tokens, c_pos = _pad(conts, n, pad_id)
     c_pos = np.where(c_pos >= 0, c_pos + lengths[:, None], -1).astype(np.int32)

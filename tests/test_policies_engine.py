@@ -1,0 +1,127 @@
+"""Policies end to end through `kvjax.generate`: every preset, every model family, cache bytes."""
+
+import numpy as np
+import pytest
+
+import kvjax
+from kvjax import policies
+from kvjax.cache import KVCache
+from kvjax.engine import TRACE_COUNTS
+from tiny_models import FAMILIES, build_hf
+
+RNG = np.random.RandomState(7)
+MAX_NEW = 8
+# LazyEviction's default window (175) exceeds these short prompts; the engine tests use a small one
+OVERRIDES = {"lazy_eviction": dict(window=8)}
+
+
+def _policy(name):
+    return policies.get(name, **OVERRIDES.get(name, {}))
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    return kvjax.load_model(stories_path)
+
+
+def _prompts(vocab, lengths=(90, 120, 71)):
+    return [[1] + RNG.randint(3, vocab, n - 1).tolist() for n in lengths]
+
+
+def _check_generation(model, name, prompts):
+    """Runs a preset at ratio 0.5 and with a budget above everything, which must change nothing."""
+    full = kvjax.generate(model, prompts, max_new_tokens=MAX_NEW, stop_tokens=[])
+    out = kvjax.generate(model, prompts, policy=_policy(name), compression_ratio=0.5, max_new_tokens=MAX_NEW,
+                         stop_tokens=[])
+    assert out.tokens.shape == full.tokens.shape
+    assert ((out.tokens >= 0) & (out.tokens < model.config.vocab_size)).all()
+    # something was evicted: at prefill, or during decoding for decode-time policies
+    assert (out.kept < out.prompt_lengths).all() or (out.kept_final < out.prompt_lengths + MAX_NEW).all()
+    huge = max(map(len, prompts)) + MAX_NEW + 16
+    same = kvjax.generate(model, prompts, policy=_policy(name), budget=huge, max_new_tokens=MAX_NEW, stop_tokens=[])
+    np.testing.assert_array_equal(same.tokens, full.tokens)
+    np.testing.assert_allclose(same.kept, same.prompt_lengths)
+
+
+@pytest.mark.parametrize("name", policies.available())
+def test_every_policy_on_the_fixture(stories, name):
+    _check_generation(stories, name, _prompts(512))
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    out = {}
+    for family in FAMILIES:
+        folder = tmp_path_factory.mktemp(family.replace(".", "_"))
+        build_hf(family, folder)
+        out[family] = kvjax.load_model(folder)
+    return out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("name", ["snapkv", "h2o", "ada_snapkv"])
+def test_representative_policies_on_every_family(family_models, family, name):
+    model = family_models[family]
+    _check_generation(model, name, _prompts(model.config.vocab_size))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("name", policies.available())
+def test_every_policy_on_every_family(family_models, family, name):
+    model = family_models[family]
+    _check_generation(model, name, _prompts(model.config.vocab_size))
+
+
+@pytest.mark.parametrize("name", ["snapkv", "knorm_kvpress", "streaming_llm_kvpress", "h2o_prefill"])
+def test_uniform_budget_compacts_cache_to_the_budget(stories, name):
+    prompts = _prompts(512, (200, 150, 230))
+    cfg = stories.config
+    budget = 64
+    out = kvjax.generate(stories, prompts, policy=name, budget=budget, max_new_tokens=MAX_NEW, stop_tokens=[])
+    np.testing.assert_allclose(out.kept, budget)
+    want = KVCache.init(cfg.num_layers, 3, cfg.num_kv_heads, budget + MAX_NEW, cfg.head_dim, cfg.jnp_dtype).nbytes()
+    assert out.cache_bytes == want
+    full = kvjax.generate(stories, prompts, max_new_tokens=MAX_NEW, stop_tokens=[])
+    assert out.cache_bytes < full.cache_bytes / 3
+
+
+def test_decode_time_policy_keeps_a_fixed_capacity_over_a_long_generation(stories):
+    budget = 40
+    out = kvjax.generate(stories, _prompts(512, (60, 45)), policy="h2o", budget=budget, max_new_tokens=300,
+                         stop_tokens=[])
+    cfg = stories.config
+    assert out.cache_bytes == KVCache.init(cfg.num_layers, 2, cfg.num_kv_heads, budget + 1, cfg.head_dim,
+                                           cfg.jnp_dtype).nbytes()
+    assert (out.lengths == 300).all()
+
+
+def test_one_compilation_per_bucket_policy_and_budget(stories):
+    kvjax.generate(stories, _prompts(512, (70, 90, 100)), policy="snapkv", compression_ratio=0.5,
+                   max_new_tokens=MAX_NEW, stop_tokens=[])
+    before = dict(TRACE_COUNTS)
+    kvjax.generate(stories, _prompts(512, (66, 127, 80)), policy="snapkv", compression_ratio=0.5,
+                   max_new_tokens=MAX_NEW, stop_tokens=[])
+    assert TRACE_COUNTS == before
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        (dict(policy="no_such_policy", budget=8), ValueError, "available: .*snapkv"),
+        (dict(policy="snapkv"), ValueError, "exactly one of budget"),
+        (dict(policy="snapkv", budget=40, compression_ratio=0.5), ValueError, "exactly one of budget"),
+        (dict(policy="snapkv", budget=16), ValueError, "protected"),
+        (dict(policy="snapkv", compression_ratio=1.5), ValueError, "compression_ratio"),
+    ],
+)
+def test_policy_errors_through_generate(stories, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        kvjax.generate(stories, _prompts(512, (80,)), max_new_tokens=4, **kw)
+
+
+def test_invalid_hyperparameters():
+    with pytest.raises(ValueError, match="kernel"):
+        policies.SnapKV(kernel=4)
+    with pytest.raises(TypeError, match="unknown hyperparameter"):
+        policies.get("snapkv", windw=3)
