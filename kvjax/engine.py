@@ -127,7 +127,8 @@ def _prefill(params, tokens, positions, lengths, key, plan, *, cfg: ModelConfig,
     cache = _constrain(KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, T if policy is not None else capacity,
                                     cfg.head_dim, cfg.jnp_dtype), mesh)
     logits, cache, obs = extend(params, cfg, cache, tokens, positions, fresh=True, observe=observe,
-                                window_index=window_index, logit_index=(lengths - 1)[:, None])
+                                window_index=window_index, logit_index=(lengths - 1)[:, None],
+                                rope_mode=_rope_mode(policy))
     state = None
     if policy is not None:
         from kvjax.observations import Observations
@@ -153,11 +154,12 @@ def _prefill(params, tokens, positions, lengths, key, plan, *, cfg: ModelConfig,
     return first, cache, state, logits[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "mesh"))
-def _feed(params, cache, tokens, positions, logit_index, *, cfg: ModelConfig, mesh):
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "rope_mode"))
+def _feed(params, cache, tokens, positions, logit_index, *, cfg: ModelConfig, mesh, rope_mode: str = "original"):
     """Appends a chunk (a question, a continuation) to a filled cache; logits [B,k,V] at `logit_index` [B,k]."""
     TRACE_COUNTS["feed"] += 1
-    logits, cache, _ = extend(params, cfg, cache, tokens, positions, fresh=False, logit_index=logit_index)
+    logits, cache, _ = extend(params, cfg, cache, tokens, positions, fresh=False, logit_index=logit_index,
+                              rope_mode=rope_mode)
     return logits, _constrain(cache, mesh)
 
 
@@ -182,7 +184,7 @@ def _decode(params, cache, state, first, pos0, key, plan, *, cfg: ModelConfig, s
         slots = cache.write_slots(1)
         q_pos = jnp.where(done, -1, pos)[:, None]
         logits, cache, obs = extend(params, cfg, cache, last[:, None], q_pos, fresh=False,
-                                    observe=Observe(step_probs=decode_time), slots=slots)
+                                    observe=Observe(step_probs=decode_time), slots=slots, rope_mode=_rope_mode(policy))
         key, sub = jax.random.split(key)
         nxt = jnp.where(done, pad_id, sampler(logits[:, 0], sub))
         out = out.at[:, i].set(nxt)
@@ -195,6 +197,10 @@ def _decode(params, cache, state, first, pos0, key, plan, *, cfg: ModelConfig, s
     init = (jnp.int32(1), out, cache, state, first, pos0, done, key)
     _, out, cache, state, _, _, _, _ = jax.lax.while_loop(cond, body, init)
     return out, cache
+
+
+def _rope_mode(policy) -> str:
+    return "original" if policy is None else policy.requirements().rope_mode
 
 
 def _resolve_policy(policy):
@@ -303,7 +309,7 @@ def generate(
         q_tokens, q_pos = _pad(q_rows, q_bucket, pad_id)
         q_pos = np.where(q_pos >= 0, q_pos + lengths[:, None], -1).astype(np.int32)
         logits, cache = _feed(model.params, cache, *_batch_put(model.mesh, q_tokens, q_pos, (q_lengths - 1)[:, None]),
-                              cfg=cfg, mesh=model.mesh)
+                              cfg=cfg, mesh=model.mesh, rope_mode=_rope_mode(policy))
         first = sampler(logits[:, 0], k_question)
         pos0 = jnp.asarray(lengths + q_lengths)
     cache_bytes = cache.nbytes()
@@ -381,6 +387,7 @@ def continuation_logits(
     c_tokens, c_pos = _pad(conts, n, pad_id)
     c_pos = np.where(c_pos >= 0, c_pos + lengths[:, None], -1).astype(np.int32)
     index = np.broadcast_to(np.arange(n, dtype=np.int32), (len(rows), n))
-    logits, _ = _feed(model.params, cache, *_batch_put(model.mesh, c_tokens, c_pos, index), cfg=cfg, mesh=model.mesh)
+    logits, _ = _feed(model.params, cache, *_batch_put(model.mesh, c_tokens, c_pos, index), cfg=cfg, mesh=model.mesh,
+                      rope_mode=_rope_mode(policy))
     logits = np.asarray(jax.device_get(logits))
     return [logits[b, : c_lengths[b]] for b in range(len(rows))]

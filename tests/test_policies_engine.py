@@ -15,6 +15,16 @@ MAX_NEW = 8
 OVERRIDES = {"lazy_eviction": dict(window=8)}
 
 
+@pytest.fixture(autouse=True)
+def _release_compiled_programs():
+    """Each test compiles programs for a new (model, policy); drop them afterwards so a long run
+    (the slow cross product) does not accumulate hundreds of executables in one process."""
+    yield
+    import jax
+
+    jax.clear_caches()
+
+
 def _policy(name):
     return policies.get(name, **OVERRIDES.get(name, {}))
 
@@ -125,3 +135,39 @@ def test_invalid_hyperparameters():
         policies.SnapKV(kernel=4)
     with pytest.raises(TypeError, match="unknown hyperparameter"):
         policies.get("snapkv", windw=3)
+
+
+def _streaming_tokens(tmp_path, rope_mode):
+    """One layer: cached keys/values depend only on their own token, so each decode step equals a
+    transformers forward over the kept tokens (4 sinks + the newest) at re-indexed positions
+    0..n-1 (cache_relative, the original pos_shift) or at their original positions.
+    A small rope_theta makes the two position schemes give different tokens."""
+    import torch
+
+    folder = tmp_path / rope_mode
+    hf = build_hf("llama3", folder, num_hidden_layers=1, rope_theta=100.0)
+    model = kvjax.load_model(folder)
+    budget, n_sink, steps = 16, 4, 10
+    prompt = [1] + np.random.RandomState(7).randint(3, 101, 69).tolist()
+    policy = policies.StreamingLLM(n_sink=n_sink, rope_mode=rope_mode)
+    out = kvjax.generate(model, [prompt], policy=policy, budget=budget, max_new_tokens=steps, stop_tokens=[])
+
+    def next_token(ids, positions):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids]), position_ids=torch.tensor([positions])).logits[0, -1]
+        return int(logits.argmax())
+
+    seq = list(prompt)
+    seq.append(next_token(seq, list(range(len(seq)))))  # the first token sees the whole prompt
+    for _ in range(steps - 1):
+        kept = list(range(n_sink)) + list(range(len(seq) - (budget - n_sink), len(seq)))
+        positions = list(range(budget)) if rope_mode == "cache_relative" else kept
+        seq.append(next_token([seq[i] for i in kept], positions))
+    np.testing.assert_array_equal(out.tokens[0], seq[len(prompt):])
+    return out.tokens[0]
+
+
+def test_streaming_llm_positions_match_transformers_on_the_kept_window(tmp_path):
+    relative = _streaming_tokens(tmp_path, "cache_relative")
+    original = _streaming_tokens(tmp_path, "original")
+    assert (relative != original).any()

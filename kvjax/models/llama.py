@@ -24,7 +24,7 @@ from kvjax import kernels
 from kvjax.cache import KVCache
 from kvjax.kernels._common import resolve_implementation
 from kvjax.models.config import ModelConfig
-from kvjax.models.rope import apply_rope, inverse_frequencies, rope_tables
+from kvjax.models.rope import apply_rope, inverse_frequencies, rope_tables, slot_ranks
 
 Params = dict[str, Any]
 
@@ -127,6 +127,7 @@ def extend(
     logit_index: jax.Array | None = None,
     slots: jax.Array | None = None,
     remat: bool = False,
+    rope_mode: str = "original",
 ) -> tuple[jax.Array, KVCache, dict[str, jax.Array]]:
     """Runs `n` new tokens through the model, writing their keys/values into `cache`.
 
@@ -138,6 +139,9 @@ def extend(
     logit_index [B,k]: indices of the tokens whose logits are returned (all tokens when None).
     slots [L,B,Hkv,n]: where the new tokens are written (default: `cache.write_slots(n)`).
     remat: rematerialise each layer in the backward pass (training).
+    rope_mode: "original", or "cache_relative" (StreamingLLM): keys are cached un-rotated; a filled
+      cache is attended with every kept key rotated at its rank among the kept slots of its head,
+      and each new query at the rank of its own slot. A prefill is the same either way.
     Returns logits [B,n or k,V] float32, the updated cache, and observations:
       window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32.
     """
@@ -146,7 +150,11 @@ def extend(
     dtype = cfg.jnp_dtype
     eps = cfg.rms_norm_eps
     scale = D**-0.5
-    cos, sin = rope_tables(jnp.maximum(positions, 0), inverse_frequencies(cfg), dtype)
+    if rope_mode not in ("original", "cache_relative"):
+        raise ValueError(f"rope_mode={rope_mode!r}; accepted values: 'original', 'cache_relative'")
+    relative = rope_mode == "cache_relative"
+    inv_freq = inverse_frequencies(cfg)
+    cos, sin = rope_tables(jnp.maximum(positions, 0), inv_freq, dtype)
     if cache is None and not fresh:
         raise ValueError("extend: cache=None needs fresh=True")
     if not fresh and slots is None:
@@ -165,7 +173,9 @@ def extend(
         if cfg.qk_norm:
             q = rms_norm(q, lp["q_norm"], eps)
             k = rms_norm(k, lp["k_norm"], eps)
+        q_raw, k_raw = q, k
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_stored = k_raw if relative else k
         new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
         if fresh and ck is None and not observe_any:
             # no cache and no observations (training): padding is on the right, so a real query sees
@@ -175,7 +185,7 @@ def extend(
             out, probs = out.transpose(0, 2, 1, 3), None
         elif fresh:
             if ck is not None:
-                ck = jax.lax.dynamic_update_slice(ck, k[None].astype(ck.dtype), (l, 0, 0, 0, 0))
+                ck = jax.lax.dynamic_update_slice(ck, k_stored[None].astype(ck.dtype), (l, 0, 0, 0, 0))
                 cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (l, 0, 0, 0, 0))
                 cpos = jax.lax.dynamic_update_slice(cpos, new_pos[None], (l, 0, 0, 0))
                 cvalid = jax.lax.dynamic_update_slice(cvalid, (new_pos >= 0)[None], (l, 0, 0, 0))
@@ -192,17 +202,25 @@ def extend(
             s = xs["slots"]  # [B, Hkv, n]
             bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(Hkv), indexing="ij")
             idx = (l, bi[..., None], hi[..., None], s)
-            ck = ck.at[idx].set(k.astype(ck.dtype))
+            ck = ck.at[idx].set(k_stored.astype(ck.dtype))
             cv = cv.at[idx].set(v.astype(cv.dtype))
             cpos = cpos.at[idx].set(new_pos)
             cvalid = cvalid.at[idx].set(new_pos >= 0)
+            keys = ck[l]
+            if relative:
+                ranks = slot_ranks(cvalid[l], cpos[l])  # [B, Hkv, C]
+                kcos, ksin = rope_tables(ranks, inv_freq, dtype)
+                keys = apply_rope(keys, kcos, ksin)
+                q_rank = jnp.repeat(jnp.take_along_axis(ranks, s, axis=-1), Hq // Hkv, axis=1)  # [B, Hq, n]
+                qcos, qsin = rope_tables(q_rank, inv_freq, dtype)
+                q = apply_rope(q_raw, qcos, qsin)
             if n == 1:  # a decode step: every valid slot precedes the query; padding rows see nothing
                 visible = cvalid[l] & (positions[:, :1] >= 0)[:, :, None]
-                out, probs = kernels.decode_attention(q[:, :, 0], ck[l], cv[l], visible, scale=scale)
+                out, probs = kernels.decode_attention(q[:, :, 0], keys, cv[l], visible, scale=scale)
                 out, probs = out[:, :, None], probs[:, :, :, None]
             else:
                 layer_pos = jnp.where(cvalid[l], cpos[l], -1)
-                out, probs = attend(q, ck[l], cv[l], positions, layer_pos, scale)
+                out, probs = attend(q, keys, cv[l], positions, layer_pos, scale)
         attn = out.transpose(0, 2, 1, 3).reshape(B, n, Hq * D)
         h = h + _linear(attn, lp["o"], lp.get("o_bias"))
         x = rms_norm(h, lp["post_norm"], eps)

@@ -38,7 +38,17 @@ def rope_tables(positions: jnp.ndarray, inv_freq: np.ndarray, dtype) -> tuple[jn
 
 
 def apply_rope(x: jnp.ndarray, cos: jnp.ndarray, sin: jnp.ndarray) -> jnp.ndarray:
-    """Rotates `x [B,H,T,D]` with tables `[B,T,D]` (broadcast over heads)."""
+    """Rotates `x [B,H,T,D]` with tables `[B,T,D]` (broadcast over heads) or `[B,H,T,D]`."""
     half = x.shape[-1] // 2
     rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos[:, None] + rotated * sin[:, None]
+    if cos.ndim == x.ndim - 1:
+        cos, sin = cos[:, None], sin[:, None]
+    return x * cos + rotated * sin
+
+
+def slot_ranks(valid: jnp.ndarray, pos: jnp.ndarray) -> jnp.ndarray:
+    """Rank of each valid slot among the valid slots of its head, by position: `[..., C]` int32
+    (invalid slots get ranks past the valid ones). StreamingLLM's cache-relative positions."""
+    key = jnp.where(valid, pos, jnp.iinfo(jnp.int32).max)
+    order = jnp.argsort(key, axis=-1, stable=True)
+    return jnp.argsort(order, axis=-1).astype(jnp.int32)

@@ -36,12 +36,16 @@ class Requirements:
     step_probs: whether decoding must hand `decode_update` the step's attention probabilities
       (decode-time policies); False means `decode_update` need not be called at all.
     lookahead: number of learned lookahead queries (reserved for LookaheadKV scorers).
+    rope_mode: "original" (keys keep their rotation at their original position) or
+      "cache_relative" (StreamingLLM: keys are cached un-rotated and rotated at their rank among
+      the kept entries at every step; the query at its own rank).
     """
 
     window: int = 0
     column_mass: bool = False
     step_probs: bool = False
     lookahead: int = 0
+    rope_mode: str = "original"
 
     def merge(self, other: "Requirements") -> "Requirements":
         return Requirements(
@@ -49,6 +53,7 @@ class Requirements:
             column_mass=self.column_mass or other.column_mass,
             step_probs=self.step_probs or other.step_probs,
             lookahead=max(self.lookahead, other.lookahead),
+            rope_mode=self.rope_mode if self.rope_mode != "original" else other.rope_mode,
         )
 
 

@@ -30,7 +30,8 @@ class StreamingLLM(Policy):
     more than `budget` entries. The engine writes first, so the policy keeps budget - 1 entries
     (sinks + newest) after prefill and after every step: capacity = budget, and each step's
     attention sees exactly sinks + the budget - n_sink newest tokens, as in the original.
-    rope_mode="cache_relative" asks the engine for StreamingLLM's position re-indexing.
+    rope_mode="cache_relative" (the original's pos_shift): the model caches keys un-rotated and, at
+    every step, rotates each kept key at its rank among the kept entries and the query at its own.
     `streaming_llm_kvpress`: decode=False, rope_mode="original", rule="kvpress": keeps
     [0, n_sink) and [n_sink + n_pruned, T) with n_pruned = T - int(T(1-r)); requires T > n_sink.
     """
@@ -50,7 +51,7 @@ class StreamingLLM(Policy):
         check_choice("rule", self.rule, RULES)
 
     def requirements(self) -> Requirements:
-        return Requirements(step_probs=self.decode)
+        return Requirements(step_probs=self.decode, rope_mode=self.rope_mode)
 
     def build_plan(self, req: PlanRequest) -> Plan:
         lengths, num_layers = req.lengths, req.num_layers

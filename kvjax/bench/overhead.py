@@ -1,0 +1,119 @@
+"""``python -m kvjax.bench overhead``: prefill time with and without eviction scoring, per policy.
+
+The model is a random-weight Llama-family model of the size given by the options (what the
+machine can run), so the numbers are about cost, not quality. "full" is the jitted prefill with
+no policy; "+eviction" is the same prefill that also records the policy's observations, scores,
+selects and compacts the cache. Both run on one prompt filling the bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import statistics
+import time
+
+from kvjax.bench._timing import header_lines, markdown_table
+from kvjax.models.config import ModelConfig
+from kvjax.models.export import init_params
+
+HELP = "prefill time with and without eviction scoring per policy, and their ratio"
+
+
+def bench_config(args: argparse.Namespace) -> ModelConfig:
+    return ModelConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+                       num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
+                       head_dim=args.hidden // args.heads, max_position_embeddings=max(args.lengths) + 1,
+                       rope_theta=500000.0, dtype=args.dtype)
+
+
+def paired_medians(a, b, repeats: int) -> tuple[float, float]:
+    """Median seconds of `a()` and `b()`, run alternately (after a compile run each) so that load
+    on the machine falls on both alike."""
+    jax.block_until_ready(a())
+    jax.block_until_ready(b())
+    ta, tb = [], []
+    for _ in range(repeats):
+        for fn, out in ((a, ta), (b, tb)):
+            start = time.perf_counter()
+            jax.block_until_ready(fn())
+            out.append(time.perf_counter() - start)
+    return statistics.median(ta), statistics.median(tb)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from kvjax import policies
+
+    parser.add_argument("--policies", default=",".join(policies.available()),
+                        help="comma-separated presets (default: all of kvjax.policies.available())")
+    parser.add_argument("--lengths", default="4096,16384", type=lambda s: [int(x) for x in s.split(",")],
+                        help="prompt lengths (each is its own bucket)")
+    parser.add_argument("--compression-ratio", type=float, default=0.5, help="fraction of the prompt removed")
+    parser.add_argument("--hidden", type=int, default=256, help="model width")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=8, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=2048)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median reported)")
+    parser.add_argument("--out", type=pathlib.Path, default=None, help="also write the markdown report here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvjax import policies
+    from kvjax.engine import _prefill, make_plan
+    from kvjax.sampling import Sampler
+
+    cfg = bench_config(args)
+    params = jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), init_params(cfg, jax.random.PRNGKey(0)))
+    names = [n for n in args.policies.split(",") if n]
+    unknown = sorted(set(names) - set(policies.available()))
+    if unknown:
+        raise SystemExit(f"unknown policies {unknown}; available: {', '.join(policies.available())}")
+    rows = []
+    for T in args.lengths:
+        tokens = jnp.asarray(np.random.RandomState(T).randint(3, cfg.vocab_size, (1, T)), jnp.int32)
+        positions = jnp.arange(T, dtype=jnp.int32)[None]
+        lengths = jnp.asarray([T], jnp.int32)
+        key = jax.random.PRNGKey(0)
+        common = dict(cfg=cfg, sampler=Sampler(), mesh=None)
+
+        def full(params=params):
+            return _prefill(params, tokens, positions, lengths, key, None, capacity=T, policy=None, **common)
+
+        for name in names:
+            policy = policies.get(name)
+            try:
+                plan = make_plan(policy, np.array([T]), cfg, budget=None, compression_ratio=args.compression_ratio,
+                                 bucket=T, room=0, question_tokens=0)
+            except ValueError as e:
+                rows.append([name, T, "n/a", "n/a", "n/a", f"not run: {e}"])
+                continue
+
+            def evict(params=params, plan=plan, policy=policy):
+                return _prefill(params, tokens, positions, lengths, key, plan, capacity=T, policy=policy, **common)
+
+            base, t = paired_medians(full, evict, args.repeats)
+            rows.append([name, T, base * 1e3, t * 1e3, t / base, f"{(t - base) * 1e3:.1f} ms"])
+            print(f"{name:28s} T={T:6d}  full {base * 1e3:9.1f} ms  +eviction {t * 1e3:9.1f} ms  ratio {t / base:.3f}",
+                  flush=True)
+    table = markdown_table(["policy", "prompt tokens", "prefill ms (full)", "prefill ms (+eviction)", "ratio",
+                            "overhead"], rows)
+    report = "\n".join([
+        "# Eviction overhead at prefill", "", *header_lines(),
+        f"- model: random-weight Llama, {cfg.num_layers} layers, width {cfg.hidden_size}, {cfg.num_heads} query / "
+        f"{cfg.num_kv_heads} KV heads (head_dim {cfg.head_dim}), {cfg.dtype}; batch 1",
+        f"- compression_ratio {args.compression_ratio}; median of {args.repeats} runs after a compile run, "
+        "the two prefills run alternately",
+        "- full = jitted prefill without a policy; +eviction = the same prefill plus observations, scoring, "
+        "selection and compaction", "", table, ""])
+    print(report)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(report)
+    return 0
