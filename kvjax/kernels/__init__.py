@@ -16,10 +16,10 @@ Each op has a pure-jnp reference (the XLA path), a Pallas TPU (Mosaic) kernel, a
 import kvjax.kernels.column_mass.api as _column_mass_api
 import kvjax.kernels.decode_attention.api as _decode_attention_api
 import kvjax.kernels.window_scores.api as _window_scores_api
-from kvjax.kernels._common import IMPLEMENTATIONS
+from kvjax.kernels._common import IMPLEMENTATIONS, masked_softmax
 
 column_mass = _column_mass_api.column_mass
 decode_attention = _decode_attention_api.decode_attention
 window_scores = _window_scores_api.window_scores
 
-__all__ = ["IMPLEMENTATIONS", "column_mass", "decode_attention", "window_scores"]
+__all__ = ["IMPLEMENTATIONS", "column_mass", "decode_attention", "masked_softmax", "window_scores"]

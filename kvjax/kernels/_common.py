@@ -177,3 +177,14 @@ def check_group_reduce(group_reduce: Any) -> str | None:
     if group_reduce not in GROUP_REDUCTIONS:
         raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
     return group_reduce
+
+
+def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """Softmax over the last axis where `mask`; a fully masked row gives zeros, never NaN
+    (masked logits are dropped before any arithmetic, so NaN there cannot leak)."""
+    logits = jnp.where(mask, logits, -jnp.inf)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.where(mask, jnp.exp(logits - m), 0.0)
+    s = jnp.sum(e, axis=-1, keepdims=True)
+    return e / jnp.where(s > 0, s, 1.0)

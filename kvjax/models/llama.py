@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from kvjax import kernels
 from kvjax.cache import KVCache
-from kvjax.kernels._common import resolve_implementation
+from kvjax.kernels._common import masked_softmax, resolve_implementation
 from kvjax.models.config import ModelConfig
 from kvjax.models.rope import apply_rope, inverse_frequencies, rope_tables, slot_ranks
 
@@ -53,16 +53,6 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array:
     y = jnp.einsum("...i,io->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
     return y if b is None else y + b
-
-
-def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:
-    """Softmax over the last axis where `mask`; a fully masked row gives zeros, never NaN."""
-    logits = jnp.where(mask, logits, -jnp.inf)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.where(mask, jnp.exp(logits - m), 0.0)
-    s = jnp.sum(e, axis=-1, keepdims=True)
-    return e / jnp.where(s > 0, s, 1.0)
 
 
 def attend(

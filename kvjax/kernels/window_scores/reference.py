@@ -23,12 +23,7 @@ def window_probs(queries: jax.Array, keys: jax.Array, query_positions: jax.Array
                    preferred_element_type=jnp.float32) * scale
     kpos = key_positions[:, :, None, None, :]
     visible = (kpos >= 0) & (kpos <= query_positions[:, None, None, :, None])
-    s = jnp.where(visible, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.where(visible, jnp.exp(s - m), 0.0)
-    total = jnp.sum(e, axis=-1, keepdims=True)
-    return e / jnp.where(total > 0, total, 1.0)
+    return _common.masked_softmax(s, visible)
 
 
 def window_scores(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
