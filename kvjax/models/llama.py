@@ -91,8 +91,8 @@ def attend_blocked(
     def one(mass, xs):
         qi, pi = xs
         out, probs = attend(qi, k, v, pi, k_pos, scale)
-        if column_mass:
-            mass = mass + jnp.sum(jnp.where((pi >= 0)[:, None, None, :, None], probs, 0.0), axis=(2, 3))
+        if column_mass:  # padding queries see no key, so their probability rows are already zero
+            mass = mass + jnp.sum(probs, axis=(2, 3))
         return mass, out
 
     mass0 = jnp.zeros(k.shape[:3], jnp.float32)
@@ -221,9 +221,8 @@ def extend(
         if observe.window:
             obs["window_queries"] = jnp.take_along_axis(q, window_index[:, None, :, None], axis=2)
         if observe.column_mass:
-            if probs is not None:
-                valid_q = (positions >= 0)[:, None, None, :, None]
-                mass = jnp.sum(jnp.where(valid_q, probs, 0.0), axis=(2, 3))  # [B, Hkv, keys]
+            if probs is not None:  # padding queries see no key: their rows of probs are zero
+                mass = jnp.sum(probs, axis=(2, 3))  # [B, Hkv, keys]
             obs["column_mass"] = jnp.pad(mass, ((0, 0), (0, 0), (0, C - mass.shape[-1]))) if fresh else mass
         if observe.step_probs and not fresh:
             obs["step_probs"] = probs[:, :, :, -1, :]
