@@ -136,6 +136,67 @@ def lm_loss(params, frozen, batch, *, cfg: ModelConfig):
     return (nll * w).sum() / denom, {"answer_token_accuracy": acc}
 
 
+def plot_loss(log_path: pathlib.Path, out_png: pathlib.Path) -> list[dict[str, float]]:
+    """Plots loss and answer-token accuracy against step from a `log.jsonl`; returns its rows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(steps, [r["loss"] for r in rows], label="answer loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (answer tokens)")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [r["answer_token_accuracy"] for r in rows], color="tab:orange", label="answer-token accuracy")
+    ax2.set_ylabel("accuracy")
+    fig.legend(loc="upper right")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=120)
+    plt.close(fig)
+    return rows
+
+
+def write_model_card(out: pathlib.Path, conf: dict[str, Any], cfg: ModelConfig, rows: list[dict[str, float]],
+                     config_path: str) -> None:
+    """MODEL_CARD.md beside the exported weights: architecture, command, data, steps, loss curve."""
+    n_params = sum(int(np.prod(s)) for s in jax.tree.leaves(_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
+    last = rows[-1] if rows else {}
+    text = f"""# kvjax bundled model
+
+A small Llama-architecture model (GQA) trained from scratch by kvjax's own code on the synthetic
+long-context tasks of the evaluation's default suite, so that `python -m kvjax.eval` runs offline.
+It is a test instrument for KV-cache eviction, not a language model.
+
+- architecture: {cfg.num_layers} layers, width {cfg.hidden_size}, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads
+  (head_dim {cfg.head_dim}), MLP {cfg.intermediate_size}, vocabulary {cfg.vocab_size} (byte-level BPE in this
+  folder), tied embeddings, RoPE theta {cfg.rope_theta}, {cfg.max_position_embeddings} positions; {n_params:,} parameters
+- data: generated on the fly by `kvjax.eval.tasks` (suite `{conf['data']['suite']}`: RULER needle tasks and
+  variable tracking) at lengths {conf['data']['lengths']} tokens, batch {conf['data']['batch_size']}, seeds from
+  {conf['data']['seed']} (disjoint from the evaluation's); loss on the answer tokens only
+- optimisation: AdamW, peak LR {conf['optim']['learning_rate']}, warmup {conf['optim']['warmup_fraction']:.0%},
+  cosine decay, clip {conf['optim']['clip_norm']}; {last.get('step', 0)} steps
+- final training loss {last.get('loss', float('nan')):.4f}, answer-token accuracy {last.get('answer_token_accuracy', float('nan')):.3f}
+- reproduce: `python -m kvjax.training.bundled --config {config_path} --workdir runs/bundled` (resumes
+  when re-run), then `--export kvjax/assets/model`
+
+![loss curve](loss_curve.png)
+
+## Full-cache scores
+
+Filled in from `python -m kvjax.eval --policies none` (see `eval/` at the repository root).
+"""
+    (out / "MODEL_CARD.md").write_text(text)
+
+
+def _shapes(cfg: ModelConfig):
+    from kvjax.models.loading import param_shapes
+
+    return param_shapes(cfg)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default="configs/bundled_model.yaml", help="training YAML (model, data, optim, train)")
@@ -160,6 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         state = ckpt.restore(like)
         out = save_hf(args.export, jax.device_get(state["trainable"]), cfg)
         tokenizer.save_pretrained(out)
+        rows = plot_loss(pathlib.Path(args.workdir) / "log.jsonl", out / "loss_curve.png")
+        write_model_card(out, conf, cfg, rows, args.config)
         print(f"exported step {int(state['step'])} to {out}")
         return
     batches = TaskBatches(conf["data"], tokenizer)
