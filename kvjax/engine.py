@@ -2,7 +2,7 @@
 
 Prompts are right-padded to a length bucket; row b's prompt sits in cache slots 0..len_b-1 at
 positions 0..len_b-1, and padding is masked by position -1. Each (bucket, batch size, policy,
-budget, max_new_tokens) compiles one prefill and one decode loop, reused by later calls.
+budget, max_new_tokens bucket) compiles one prefill and one decode loop, reused by later calls.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from kvjax.models.model import Model
 from kvjax.sampling import Sampler
 
 BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+# max_new_tokens is rounded up to one of these for the compiled shapes (the loop stops at the real limit)
+STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # Compilations so far, per jitted function (traced once per distinct static configuration).
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
@@ -165,9 +167,10 @@ def _feed(params, cache, tokens, positions, logit_index, *, cfg: ModelConfig, me
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "sampler", "stop_ids", "pad_id", "mesh"),
                    donate_argnames=("cache",))
-def _decode(params, cache, state, first, pos0, key, plan, *, cfg: ModelConfig, steps: int, policy, sampler: Sampler,
-            stop_ids: tuple[int, ...], pad_id: int, mesh):
-    """Decodes `steps - 1` tokens after `first` [B] under `lax.while_loop`; returns tokens [B, steps]."""
+def _decode(params, cache, state, first, pos0, key, plan, limit, *, cfg: ModelConfig, steps: int, policy,
+            sampler: Sampler, stop_ids: tuple[int, ...], pad_id: int, mesh):
+    """Decodes up to `limit - 1` (traced, <= steps) tokens after `first` [B] under `lax.while_loop`;
+    returns tokens [B, steps] (pad after `limit`)."""
     TRACE_COUNTS["decode"] += 1
     B = first.shape[0]
     stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
@@ -177,7 +180,7 @@ def _decode(params, cache, state, first, pos0, key, plan, *, cfg: ModelConfig, s
 
     def cond(c):
         i, _, _, _, _, _, done, _ = c
-        return (i < steps) & ~jnp.all(done)
+        return (i < limit) & ~jnp.all(done)
 
     def body(c):
         i, out, cache, state, last, pos, done, key = c
@@ -293,7 +296,8 @@ def generate(
 
     T = bucket_length(int(lengths.max()), buckets)
     q_bucket = bucket_length(int(q_lengths.max()), buckets) if q_rows else 0
-    room = q_bucket + max_new_tokens
+    steps = bucket_length(int(max_new_tokens), STEP_BUCKETS)
+    room = q_bucket + steps
     plan = None
     if policy is not None:
         plan = make_plan(policy, lengths, cfg, budget=budget, compression_ratio=compression_ratio, bucket=T,
@@ -313,9 +317,10 @@ def generate(
         first = sampler(logits[:, 0], k_question)
         pos0 = jnp.asarray(lengths + q_lengths)
     cache_bytes = cache.nbytes()
-    out, cache = _decode(model.params, cache, state, first, pos0, k_decode, plan, cfg=cfg, steps=int(max_new_tokens),
-                     policy=policy, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id, mesh=model.mesh)
-    out = np.array(jax.device_get(out))
+    out, cache = _decode(model.params, cache, state, first, pos0, k_decode, plan, jnp.int32(max_new_tokens),
+                         cfg=cfg, steps=steps, policy=policy, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id,
+                         mesh=model.mesh)
+    out = np.array(jax.device_get(out))[:, :max_new_tokens]
     out_lengths = np.full(B, max_new_tokens, np.int32)
     texts = [] if model.tokenizer is not None else None
     for b in range(B):

@@ -121,3 +121,13 @@ def test_continuation_logits_equal_full_forward(stories):
         ref, _, _ = extend(stories.params, stories.config, None, jnp.asarray(seq), jnp.arange(seq.shape[1])[None],
                            fresh=True)
         np.testing.assert_allclose(got[b], np.asarray(ref)[0, len(contexts[b]):], atol=1e-4)
+
+
+def test_answer_caps_in_one_step_bucket_share_the_decode_program(stories):
+    prompts = _prompts((30, 41))
+    long = kvjax.generate(stories, prompts, max_new_tokens=40, stop_tokens=[])
+    before = dict(TRACE_COUNTS)
+    short = kvjax.generate(stories, prompts, max_new_tokens=33, stop_tokens=[])  # same 64-step bucket
+    assert TRACE_COUNTS == before
+    assert short.tokens.shape == (2, 33) and (short.lengths == 33).all()
+    np.testing.assert_array_equal(short.tokens, long.tokens[:, :33])
