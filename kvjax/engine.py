@@ -24,6 +24,7 @@ from kvjax.models.model import Model
 from kvjax.sampling import Sampler
 
 BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+MIN_QUESTION_BUCKET = 64
 # max_new_tokens is rounded up to one of these for the compiled shapes (the loop stops at the real limit)
 STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 # Compilations so far, per jitted function (traced once per distinct static configuration).
@@ -113,47 +114,60 @@ def _constrain(cache: KVCache, mesh) -> KVCache:
     return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "policy", "sampler", "mesh"))
-def _prefill(params, tokens, positions, lengths, key, plan, *, cfg: ModelConfig, capacity: int, policy, sampler: Sampler, mesh):
-    """Prefill + optional compression. Returns first-token ids [B], cache, policy state, first logits [B,V]."""
+def observe_for(policy) -> Observe:
+    """What the model prefill must record for `policy` (nothing without one)."""
+    if policy is None:
+        return Observe()
+    req = policy.requirements()
+    return Observe(window=req.window, column_mass=req.column_mass)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "observe", "rope_mode", "sampler", "mesh"))
+def _prefill(params, tokens, positions, lengths, key, *, cfg: ModelConfig, capacity: int, observe: Observe,
+             rope_mode: str, sampler: Sampler, mesh):
+    """The model prefill, shared by every policy: first-token ids [B], the full cache of `capacity`
+    slots, the `Observations` asked for, and the first-token logits [B,V]."""
+    from kvjax.observations import Observations
+
     TRACE_COUNTS["prefill"] += 1
     B, T = tokens.shape
-    observe = Observe()
-    window_index = None
-    if policy is not None:
-        req = policy.requirements()
-        observe = Observe(window=req.window, column_mass=req.column_mass)
-        if req.window:
-            window_pos = lengths[:, None] - req.window + jnp.arange(req.window)
-            window_index = jnp.maximum(window_pos, 0)
-    cache = _constrain(KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, T if policy is not None else capacity,
-                                    cfg.head_dim, cfg.jnp_dtype), mesh)
+    window_index = window_pos = None
+    if observe.window:
+        window_pos = lengths[:, None] - observe.window + jnp.arange(observe.window)
+        window_index = jnp.maximum(window_pos, 0)
+    cache = _constrain(KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, capacity, cfg.head_dim, cfg.jnp_dtype), mesh)
     logits, cache, obs = extend(params, cfg, cache, tokens, positions, fresh=True, observe=observe,
-                                window_index=window_index, logit_index=(lengths - 1)[:, None],
-                                rope_mode=_rope_mode(policy))
-    state = None
-    if policy is not None:
-        from kvjax.observations import Observations
+                                window_index=window_index, logit_index=(lengths - 1)[:, None], rope_mode=rope_mode)
+    observations = Observations(
+        window_queries=obs.get("window_queries"),
+        window_positions=None if window_pos is None else jnp.where(window_pos >= 0, window_pos, -1),
+        column_mass=obs.get("column_mass"),
+        lengths=lengths,
+    )
+    return sampler(logits[:, 0], key), cache, observations, logits[:, 0]
 
-        observations = Observations(
-            window_queries=obs.get("window_queries"),
-            window_positions=None if window_index is None else jnp.where(window_pos >= 0, window_pos, -1),
-            column_mass=obs.get("column_mass"),
-            lengths=lengths,
-        )
-        keep, slot_state = policy.prefill_keep(plan, cache, observations)
-        if plan.compact:
-            cache, src = cache.compact(keep, plan.capacity)
-            if slot_state is not None:
-                slot_state = jax.tree.map(lambda x: gather_slots(x, src), slot_state)
-        else:
-            cache = cache.evict(keep)
-            if cache.capacity < capacity:
-                cache, _ = cache.compact(cache.valid, capacity)
-        cache = _constrain(cache, mesh)
-        state = policy.init_decode(plan, cache, slot_state)
-    first = sampler(logits[:, 0], key)
-    return first, cache, state, logits[:, 0]
+
+@functools.partial(jax.jit, static_argnames=("policy", "capacity", "mesh"))
+def _compress(cache, observations, plan, *, policy, capacity: int, mesh):
+    """The policy's prefill eviction on a full cache: the compacted (or masked) cache and the
+    policy's decode state. Observations recorded for a wider window are cut to the policy's."""
+    TRACE_COUNTS["compress"] += 1
+    w = policy.requirements().window
+    if observations.window_queries is not None and observations.window_queries.shape[3] != w:
+        observations = observations.replace(
+            window_queries=observations.window_queries[:, :, :, -w:] if w else None,
+            window_positions=observations.window_positions[:, -w:] if w else None)
+    keep, slot_state = policy.prefill_keep(plan, cache, observations)
+    if plan.compact:
+        cache, src = cache.compact(keep, plan.capacity)
+        if slot_state is not None:
+            slot_state = jax.tree.map(lambda x: gather_slots(x, src), slot_state)
+    else:
+        cache = cache.evict(keep)
+        if cache.capacity < capacity:
+            cache, _ = cache.compact(cache.valid, capacity)
+    cache = _constrain(cache, mesh)
+    return cache, policy.init_decode(plan, cache, slot_state)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "mesh", "rope_mode"))
@@ -295,7 +309,8 @@ def generate(
     k_prefill, k_question, k_decode = jax.random.split(key, 3)
 
     T = bucket_length(int(lengths.max()), buckets)
-    q_bucket = bucket_length(int(q_lengths.max()), buckets) if q_rows else 0
+    # questions are short and vary by task: one floor bucket lets tasks share compiled programs
+    q_bucket = bucket_length(int(q_lengths.max()), [b for b in buckets if b >= MIN_QUESTION_BUCKET] or buckets) if q_rows else 0
     steps = bucket_length(int(max_new_tokens), STEP_BUCKETS)
     room = q_bucket + steps
     plan = None
@@ -305,8 +320,7 @@ def generate(
     capacity = T + room
     tokens, positions = _pad(rows, T, pad_id)
     data = _batch_put(model.mesh, tokens, positions, lengths)
-    first, cache, state, _ = _prefill(model.params, *data, k_prefill, plan, cfg=cfg, capacity=capacity,
-                                      policy=policy, sampler=sampler, mesh=model.mesh)
+    first, cache, state = _prefill_and_compress(model, data, k_prefill, policy, plan, T, capacity, sampler)
     kept = _mean_kept(cache)
     pos0 = jnp.asarray(lengths)
     if q_rows:
@@ -337,6 +351,18 @@ def generate(
 def _mean_kept(cache: KVCache) -> np.ndarray:
     """Valid entries per (layer, head), averaged over layers and heads: [B]."""
     return np.asarray(jax.device_get(cache.num_valid().astype(jnp.float32).mean(axis=(0, 2))))
+
+
+def _prefill_and_compress(model: Model, data, key, policy, plan, bucket: int, capacity: int, sampler: Sampler):
+    """Prefill (a full cache of `bucket` slots when a policy compresses it, else `capacity`), then
+    the policy's compression. Returns first-token ids, the cache and the policy's decode state."""
+    first, cache, observations, _ = _prefill(
+        model.params, *data, key, cfg=model.config, capacity=bucket if policy is not None else capacity,
+        observe=observe_for(policy), rope_mode=_rope_mode(policy), sampler=sampler, mesh=model.mesh)
+    if policy is None:
+        return first, cache, None
+    cache, state = _compress(cache, observations, plan, policy=policy, capacity=capacity, mesh=model.mesh)
+    return first, cache, state
 
 
 def _batch_put(mesh, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
@@ -386,9 +412,8 @@ def continuation_logits(
         plan = make_plan(policy, lengths, cfg, budget=budget, compression_ratio=compression_ratio, bucket=T,
                          room=n, question_tokens=n)
     tokens, positions = _pad(rows, T, pad_id)
-    _, cache, _, _ = _prefill(model.params, *_batch_put(model.mesh, tokens, positions, lengths),
-                              jax.random.PRNGKey(0), plan, cfg=cfg, capacity=T + n, policy=policy,
-                              sampler=Sampler(), mesh=model.mesh)
+    data = _batch_put(model.mesh, tokens, positions, lengths)
+    _, cache, _ = _prefill_and_compress(model, data, jax.random.PRNGKey(0), policy, plan, T, T + n, Sampler())
     c_tokens, c_pos = _pad(conts, n, pad_id)
     c_pos = np.where(c_pos >= 0, c_pos + lengths[:, None], -1).astype(np.int32)
     index = np.broadcast_to(np.arange(n, dtype=np.int32), (len(rows), n))

@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvjax import policies
-    from kvjax.engine import _prefill, make_plan
+    from kvjax.engine import _compress, _prefill, make_plan, observe_for
     from kvjax.sampling import Sampler
 
     cfg = bench_config(args)
@@ -84,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
         common = dict(cfg=cfg, sampler=Sampler(), mesh=None)
 
         def full(params=params):
-            return _prefill(params, tokens, positions, lengths, key, None, capacity=T, policy=None, **common)
+            return _prefill(params, tokens, positions, lengths, key, capacity=T, observe=observe_for(None),
+                            rope_mode="original", **common)
 
         for name in names:
             policy = policies.get(name)
@@ -96,7 +97,10 @@ def run(args: argparse.Namespace) -> int:
                 continue
 
             def evict(params=params, plan=plan, policy=policy):
-                return _prefill(params, tokens, positions, lengths, key, plan, capacity=T, policy=policy, **common)
+                _, cache, obs, _ = _prefill(params, tokens, positions, lengths, key, capacity=T,
+                                            observe=observe_for(policy), rope_mode=policy.requirements().rope_mode,
+                                            **common)
+                return _compress(cache, obs, plan, policy=policy, capacity=T, mesh=None)
 
             base, t = paired_medians(full, evict, args.repeats)
             rows.append([name, T, base * 1e3, t * 1e3, t / base, f"{(t - base) * 1e3:.1f} ms"])
