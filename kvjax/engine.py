@@ -321,7 +321,7 @@ def generate(
     tokens, positions = _pad(rows, T, pad_id)
     data = _batch_put(model.mesh, tokens, positions, lengths)
     first, cache, state = _prefill_and_compress(model, data, k_prefill, policy, plan, T, capacity, sampler)
-    kept = _mean_kept(cache)
+    kept = _mean_kept(cache)  # on device; fetched at the end so dispatch does not wait for prefill
     pos0 = jnp.asarray(lengths)
     if q_rows:
         q_tokens, q_pos = _pad(q_rows, q_bucket, pad_id)
@@ -345,12 +345,13 @@ def generate(
         if texts is not None:
             texts.append(model.tokenizer.decode(out[b, : out_lengths[b]].tolist(), skip_special_tokens=True))
     return GenerateOutput(tokens=out, lengths=out_lengths, texts=texts, prompt_lengths=lengths,
-                          cache_bytes=cache_bytes, kept=kept, kept_final=_mean_kept(cache), pad_id=pad_id)
+                          cache_bytes=cache_bytes, kept=np.asarray(kept), kept_final=np.asarray(_mean_kept(cache)),
+                          pad_id=pad_id)
 
 
-def _mean_kept(cache: KVCache) -> np.ndarray:
-    """Valid entries per (layer, head), averaged over layers and heads: [B]."""
-    return np.asarray(jax.device_get(cache.num_valid().astype(jnp.float32).mean(axis=(0, 2))))
+def _mean_kept(cache: KVCache) -> jax.Array:
+    """Valid entries per (layer, head), averaged over layers and heads: [B] float32."""
+    return cache.num_valid().astype(jnp.float32).mean(axis=(0, 2))
 
 
 def _prefill_and_compress(model: Model, data, key, policy, plan, bucket: int, capacity: int, sampler: Sampler):
