@@ -76,6 +76,16 @@ class KVCache:
         valid = self.valid & keep
         return self.replace(valid=valid, pos=jnp.where(valid, self.pos, -1))
 
+    def grow(self, capacity: int) -> "KVCache":
+        """The same entries in the same slots, with empty slots appended up to `capacity`."""
+        extra = capacity - self.capacity
+        if extra < 0:
+            raise ValueError(f"grow: capacity={capacity} is below the current {self.capacity}")
+        pad = [(0, 0)] * (self.pos.ndim - 1) + [(0, extra)]
+        kv_pad = pad + [(0, 0)]
+        return self.replace(k=jnp.pad(self.k, kv_pad), v=jnp.pad(self.v, kv_pad),
+                            pos=jnp.pad(self.pos, pad, constant_values=-1), valid=jnp.pad(self.valid, pad))
+
     def compact(self, keep: jax.Array, capacity: int) -> tuple["KVCache", jax.Array]:
         """Gathers the kept, valid slots of each head into a new cache of `capacity` slots.
 

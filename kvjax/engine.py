@@ -245,6 +245,118 @@ def make_plan(policy, lengths: np.ndarray, cfg: ModelConfig, *, budget, compress
     return plan.replace(capacity=max(plan.capacity, widest.capacity), compact=plan.compact or widest.compact)
 
 
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """One way to run a batch: the full cache (policy None) or a policy at a budget or ratio."""
+
+    policy: Any = None
+    budget: int | None = None
+    compression_ratio: float | None = None
+
+
+@dataclasses.dataclass
+class _Batch:
+    """A validated, encoded batch (host side) and its bucketed shapes."""
+
+    rows: list[list[int]]
+    q_rows: list[list[int]] | None
+    lengths: np.ndarray  # [B]
+    q_lengths: np.ndarray  # [B]
+    bucket: int
+    q_bucket: int
+    steps: int
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    sampler: Sampler
+
+    @property
+    def room(self) -> int:
+        return self.q_bucket + self.steps
+
+
+def _prepare(model: Model, prompts: Any, questions: Any, max_new_tokens: int, temperature: float, top_k, top_p,
+             stop_tokens, chat_template: bool, buckets: Sequence[int]) -> _Batch:
+    cfg = model.config
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    rows = encode_prompts(model, prompts, chat_template=chat_template)
+    q_rows = None
+    if questions is not None:
+        q_rows = encode_prompts(model, questions, what="questions")
+        if len(q_rows) != len(rows):
+            raise ValueError(f"got {len(rows)} prompts but {len(q_rows)} questions: give one question per context")
+    B = len(rows)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    q_lengths = np.array([len(r) for r in q_rows], np.int32) if q_rows else np.zeros(B, np.int32)
+    total = int((lengths + q_lengths).max()) + max_new_tokens
+    if total > cfg.max_position_embeddings:
+        raise ValueError(
+            f"the longest prompt ({int((lengths + q_lengths).max())} tokens) plus max_new_tokens={max_new_tokens} "
+            f"needs {total} positions, more than the model allows (max_position_embeddings={cfg.max_position_embeddings})"
+        )
+    if cfg.sliding_window is not None and total > cfg.sliding_window:
+        raise ValueError(f"sequences of {total} tokens exceed the sliding_window={cfg.sliding_window} of this "
+                         "checkpoint, which kvjax does not implement")
+    if stop_tokens is None:
+        stop = set(cfg.eos_token_ids)
+        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+            stop.add(int(model.tokenizer.eos_token_id))
+        stop_ids = tuple(sorted(stop))
+    else:
+        stop_ids = tuple(sorted({int(t) for t in stop_tokens}))
+    # questions are short and vary by task: one floor bucket lets tasks share compiled programs
+    q_bucket = bucket_length(int(q_lengths.max()), [b for b in buckets if b >= MIN_QUESTION_BUCKET] or buckets) if q_rows else 0
+    return _Batch(rows=rows, q_rows=q_rows, lengths=lengths, q_lengths=q_lengths,
+                  bucket=bucket_length(int(lengths.max()), buckets), q_bucket=q_bucket,
+                  steps=bucket_length(int(max_new_tokens), STEP_BUCKETS), max_new_tokens=int(max_new_tokens),
+                  stop_ids=stop_ids, pad_id=cfg.pad_token_id if cfg.pad_token_id is not None else 0,
+                  sampler=Sampler(float(temperature), top_k, top_p))
+
+
+def _plan_for(model: Model, batch: _Batch, policy, budget, compression_ratio):
+    if policy is None:
+        if budget is not None or compression_ratio is not None:
+            raise ValueError("budget / compression_ratio need a policy (policy=None keeps the full cache)")
+        return None
+    return make_plan(policy, batch.lengths, model.config, budget=budget, compression_ratio=compression_ratio,
+                     bucket=batch.bucket, room=batch.room, question_tokens=batch.q_bucket)
+
+
+def _answer(model: Model, batch: _Batch, first, cache, state, policy, plan, key) -> GenerateOutput:
+    """Feeds the questions (if any) to a prefilled, compressed cache, then decodes."""
+    cfg = model.config
+    k_question, k_decode = jax.random.split(key)
+    kept = _mean_kept(cache)  # on device; fetched at the end so dispatch does not wait for prefill
+    pos0 = jnp.asarray(batch.lengths)
+    if batch.q_rows:
+        q_tokens, q_pos = _pad(batch.q_rows, batch.q_bucket, batch.pad_id)
+        q_pos = np.where(q_pos >= 0, q_pos + batch.lengths[:, None], -1).astype(np.int32)
+        logits, cache = _feed(model.params, cache,
+                              *_batch_put(model.mesh, q_tokens, q_pos, (batch.q_lengths - 1)[:, None]),
+                              cfg=cfg, mesh=model.mesh, rope_mode=_rope_mode(policy))
+        first = batch.sampler(logits[:, 0], k_question)
+        pos0 = jnp.asarray(batch.lengths + batch.q_lengths)
+    cache_bytes = cache.nbytes()
+    out, cache = _decode(model.params, cache, state, first, pos0, k_decode, plan, jnp.int32(batch.max_new_tokens),
+                         cfg=cfg, steps=batch.steps, policy=policy, sampler=batch.sampler, stop_ids=batch.stop_ids,
+                         pad_id=batch.pad_id, mesh=model.mesh)
+    out = np.array(jax.device_get(out))[:, :batch.max_new_tokens]
+    B = len(batch.rows)
+    out_lengths = np.full(B, batch.max_new_tokens, np.int32)
+    texts = [] if model.tokenizer is not None else None
+    for b in range(B):
+        hit = np.flatnonzero(np.isin(out[b], batch.stop_ids)) if batch.stop_ids else []
+        if len(hit):
+            out_lengths[b] = hit[0] + 1
+            out[b, hit[0] + 1:] = batch.pad_id
+        if texts is not None:
+            texts.append(model.tokenizer.decode(out[b, : out_lengths[b]].tolist(), skip_special_tokens=True))
+    return GenerateOutput(tokens=out, lengths=out_lengths, texts=texts, prompt_lengths=batch.lengths,
+                          cache_bytes=cache_bytes, kept=np.asarray(kept), kept_final=np.asarray(_mean_kept(cache)),
+                          pad_id=batch.pad_id)
+
+
 def generate(
     model: Model,
     prompts: Any,
@@ -272,81 +384,75 @@ def generate(
     temperature 0 is greedy; otherwise sampling with optional top_k / top_p and a PRNG `key`.
     stop_tokens: ids that end a row (default: the model's EOS ids).
     """
-    cfg = model.config
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
-    sampler = Sampler(float(temperature), top_k, top_p)
     policy = _resolve_policy(policy)
     if policy is None and (budget is not None or compression_ratio is not None):
         raise ValueError("budget / compression_ratio need a policy (policy=None keeps the full cache)")
-    rows = encode_prompts(model, prompts, chat_template=chat_template)
-    q_rows = None
-    if questions is not None:
-        q_rows = encode_prompts(model, questions, what="questions")
-        if len(q_rows) != len(rows):
-            raise ValueError(f"got {len(rows)} prompts but {len(q_rows)} questions: give one question per context")
-    B = len(rows)
-    lengths = np.array([len(r) for r in rows], np.int32)
-    q_lengths = np.array([len(r) for r in q_rows], np.int32) if q_rows else np.zeros(B, np.int32)
-    total = int((lengths + q_lengths).max()) + max_new_tokens
-    if total > cfg.max_position_embeddings:
-        raise ValueError(
-            f"the longest prompt ({int((lengths + q_lengths).max())} tokens) plus max_new_tokens={max_new_tokens} "
-            f"needs {total} positions, more than the model allows (max_position_embeddings={cfg.max_position_embeddings})"
-        )
-    if cfg.sliding_window is not None and total > cfg.sliding_window:
-        raise ValueError(f"sequences of {total} tokens exceed the sliding_window={cfg.sliding_window} of this "
-                         "checkpoint, which kvjax does not implement")
-    pad_id = cfg.pad_token_id if cfg.pad_token_id is not None else 0
-    if stop_tokens is None:
-        stop = set(cfg.eos_token_ids)
-        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-            stop.add(int(model.tokenizer.eos_token_id))
-        stop_ids = tuple(sorted(stop))
-    else:
-        stop_ids = tuple(sorted({int(t) for t in stop_tokens}))
+    batch = _prepare(model, prompts, questions, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                     chat_template, buckets)
+    plan = _plan_for(model, batch, policy, budget, compression_ratio)
     key = jax.random.PRNGKey(0) if key is None else key
-    k_prefill, k_question, k_decode = jax.random.split(key, 3)
+    k_prefill, k_rest = jax.random.split(key)
+    data = _batch_put(model.mesh, *_pad(batch.rows, batch.bucket, batch.pad_id), batch.lengths)
+    first, cache, state = _prefill_and_compress(model, data, k_prefill, policy, plan, batch.bucket,
+                                                batch.bucket + batch.room, batch.sampler)
+    return _answer(model, batch, first, cache, state, policy, plan, k_rest)
 
-    T = bucket_length(int(lengths.max()), buckets)
-    # questions are short and vary by task: one floor bucket lets tasks share compiled programs
-    q_bucket = bucket_length(int(q_lengths.max()), [b for b in buckets if b >= MIN_QUESTION_BUCKET] or buckets) if q_rows else 0
-    steps = bucket_length(int(max_new_tokens), STEP_BUCKETS)
-    room = q_bucket + steps
-    plan = None
-    if policy is not None:
-        plan = make_plan(policy, lengths, cfg, budget=budget, compression_ratio=compression_ratio, bucket=T,
-                         room=room, question_tokens=q_bucket)
-    capacity = T + room
-    tokens, positions = _pad(rows, T, pad_id)
-    data = _batch_put(model.mesh, tokens, positions, lengths)
-    first, cache, state = _prefill_and_compress(model, data, k_prefill, policy, plan, T, capacity, sampler)
-    kept = _mean_kept(cache)  # on device; fetched at the end so dispatch does not wait for prefill
-    pos0 = jnp.asarray(lengths)
-    if q_rows:
-        q_tokens, q_pos = _pad(q_rows, q_bucket, pad_id)
-        q_pos = np.where(q_pos >= 0, q_pos + lengths[:, None], -1).astype(np.int32)
-        logits, cache = _feed(model.params, cache, *_batch_put(model.mesh, q_tokens, q_pos, (q_lengths - 1)[:, None]),
-                              cfg=cfg, mesh=model.mesh, rope_mode=_rope_mode(policy))
-        first = sampler(logits[:, 0], k_question)
-        pos0 = jnp.asarray(lengths + q_lengths)
-    cache_bytes = cache.nbytes()
-    out, cache = _decode(model.params, cache, state, first, pos0, k_decode, plan, jnp.int32(max_new_tokens),
-                         cfg=cfg, steps=steps, policy=policy, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id,
-                         mesh=model.mesh)
-    out = np.array(jax.device_get(out))[:, :max_new_tokens]
-    out_lengths = np.full(B, max_new_tokens, np.int32)
-    texts = [] if model.tokenizer is not None else None
-    for b in range(B):
-        hit = np.flatnonzero(np.isin(out[b], stop_ids)) if stop_ids else []
-        if len(hit):
-            out_lengths[b] = hit[0] + 1
-            out[b, hit[0] + 1:] = pad_id
-        if texts is not None:
-            texts.append(model.tokenizer.decode(out[b, : out_lengths[b]].tolist(), skip_special_tokens=True))
-    return GenerateOutput(tokens=out, lengths=out_lengths, texts=texts, prompt_lengths=lengths,
-                          cache_bytes=cache_bytes, kept=np.asarray(kept), kept_final=np.asarray(_mean_kept(cache)),
-                          pad_id=pad_id)
+
+def generate_settings(
+    model: Model,
+    prompts: Any,
+    settings: Sequence[Setting],
+    *,
+    questions: Any = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    key: jax.Array | None = None,
+    stop_tokens: Sequence[int] | None = None,
+    chat_template: bool = False,
+    buckets: Sequence[int] = BUCKETS,
+) -> list[GenerateOutput]:
+    """`generate` for one batch under several settings, sharing the model prefill between them.
+
+    The prefill runs once per RoPE mode among the settings, recording the union of what their
+    policies observe (the widest window, column mass if any needs it); each setting then
+    compresses its own copy of that cache. Returns one output per setting, each equal to
+    `generate(model, prompts, questions=questions, **vars(setting), ...)` with the same `key`.
+    """
+    policies = [_resolve_policy(st.policy) for st in settings]
+    batch = _prepare(model, prompts, questions, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+                     chat_template, buckets)
+    plans = [_plan_for(model, batch, p, st.budget, st.compression_ratio) for p, st in zip(policies, settings)]
+    key = jax.random.PRNGKey(0) if key is None else key
+    k_prefill, k_rest = jax.random.split(key)
+    data = _batch_put(model.mesh, *_pad(batch.rows, batch.bucket, batch.pad_id), batch.lengths)
+    capacity = batch.bucket + batch.room
+    prefilled = {}
+    outputs = []
+    for policy, plan in zip(policies, plans):
+        mode = _rope_mode(policy)
+        if mode not in prefilled:
+            group = [p for p in policies if _rope_mode(p) == mode and p is not None]
+            observe = Observe(window=max([p.requirements().window for p in group], default=0),
+                              column_mass=any(p.requirements().column_mass for p in group))
+            first, cache, observations, _ = _prefill(model.params, *data, k_prefill, cfg=model.config,
+                                                     capacity=batch.bucket, observe=observe, rope_mode=mode,
+                                                     sampler=batch.sampler, mesh=model.mesh)
+            prefilled[mode] = first, cache, observations
+        first, cache, observations = prefilled[mode]
+        if policy is None:
+            cache, state = _grow(cache, capacity=capacity, mesh=model.mesh), None
+        else:
+            cache, state = _compress(cache, observations, plan, policy=policy, capacity=capacity, mesh=model.mesh)
+        outputs.append(_answer(model, batch, first, cache, state, policy, plan, k_rest))
+    return outputs
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "mesh"))
+def _grow(cache: KVCache, *, capacity: int, mesh) -> KVCache:
+    """The same cache with empty slots appended up to `capacity` (slot layout unchanged)."""
+    return _constrain(cache.grow(capacity), mesh)
 
 
 def _mean_kept(cache: KVCache) -> jax.Array:

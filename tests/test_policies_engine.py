@@ -172,3 +172,25 @@ def test_streaming_llm_positions_match_transformers_on_the_kept_window(tmp_path)
     relative = _streaming_tokens(tmp_path, "cache_relative")
     original = _streaming_tokens(tmp_path, "original")
     assert (relative != original).any()
+
+
+def test_generate_settings_shares_the_prefill_and_matches_generate(stories):
+    """One prefill for many settings (mixed RoPE modes, windows, column mass) gives each setting
+    exactly what `generate` gives it alone, and compiles the model prefill once per RoPE mode."""
+    from kvjax.engine import Setting, generate_settings
+
+    contexts = _prompts(512, lengths=(200, 150, 230))
+    questions = _prompts(512, lengths=(9, 12, 5))
+    settings = [Setting(None), Setting("snapkv", compression_ratio=0.5), Setting("h2o", compression_ratio=0.75),
+                Setting("streaming_llm", budget=64), Setting("tova", compression_ratio=0.5),
+                Setting(_policy("lazy_eviction"), compression_ratio=0.5), Setting("knorm", budget=48)]
+    before = TRACE_COUNTS["prefill"]
+    outs = generate_settings(stories, contexts, settings, questions=questions, max_new_tokens=MAX_NEW,
+                             stop_tokens=[])
+    assert TRACE_COUNTS["prefill"] - before <= 2  # rotated keys, and un-rotated keys for StreamingLLM
+    for st, out in zip(settings, outs):
+        alone = kvjax.generate(stories, contexts, questions=questions, policy=st.policy, budget=st.budget,
+                               compression_ratio=st.compression_ratio, max_new_tokens=MAX_NEW, stop_tokens=[])
+        np.testing.assert_array_equal(out.tokens, alone.tokens, err_msg=str(st))
+        np.testing.assert_allclose(out.kept, alone.kept, err_msg=str(st))
+        assert out.cache_bytes == alone.cache_bytes

@@ -51,22 +51,39 @@ def make_generate_fn(model: Any, pad_to: int | None = None):
     if tokenizer is None:
         raise ValueError(f"the model at {model.path} has no tokenizer: only the fidelity task can run on it")
 
-    def generate_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
-                    budget: int | None, query_aware: bool) -> list[dict[str, Any]]:
-        from kvjax.engine import generate
-
-        n = len(samples)
-        contexts, questions = _split_ids(samples, tokenizer, query_aware)
-        extra = max(0, (pad_to or 0) - n)
-        out = generate(model, contexts + contexts[-1:] * extra, questions=questions + questions[-1:] * extra,
-                       policy=policy, compression_ratio=compression_ratio, budget=budget,
-                       max_new_tokens=max(s["max_new_tokens"] for s in samples))
+    def _outputs(out, contexts, questions, n: int) -> list[dict[str, Any]]:
         texts = out.texts if out.texts is not None else [
             tokenizer.decode(out.tokens[b, : out.lengths[b]].tolist(), skip_special_tokens=True) for b in range(n)]
         return [{"text": texts[b], "kept": float(out.kept[b]), "generated_tokens": int(out.lengths[b]),
                  "prompt_tokens": len(contexts[b]) + len(questions[b]), "batch_cache_bytes": int(out.cache_bytes)}
                 for b in range(n)]
 
+    def _inputs(samples, query_aware):
+        contexts, questions = _split_ids(samples, tokenizer, query_aware)
+        extra = max(0, (pad_to or 0) - len(samples))
+        return contexts, questions, dict(prompts=contexts + contexts[-1:] * extra,
+                                         questions=questions + questions[-1:] * extra,
+                                         max_new_tokens=max(s["max_new_tokens"] for s in samples))
+
+    def generate_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
+                    budget: int | None, query_aware: bool) -> list[dict[str, Any]]:
+        from kvjax.engine import generate
+
+        contexts, questions, kw = _inputs(samples, query_aware)
+        out = generate(model, kw.pop("prompts"), policy=policy, compression_ratio=compression_ratio, budget=budget,
+                       **kw)
+        return _outputs(out, contexts, questions, len(samples))
+
+    def many(samples: list[dict[str, Any]], *, settings, query_aware: bool) -> list[list[dict[str, Any]]]:
+        """All `settings` (runner Settings) on one batch, sharing the model prefill."""
+        from kvjax.engine import Setting, generate_settings
+
+        contexts, questions, kw = _inputs(samples, query_aware)
+        outs = generate_settings(model, kw.pop("prompts"),
+                                 [Setting(st.policy, st.budget, st.compression_ratio) for st in settings], **kw)
+        return [_outputs(out, contexts, questions, len(samples)) for out in outs]
+
+    generate_fn.many = many
     return generate_fn
 
 

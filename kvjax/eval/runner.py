@@ -8,7 +8,9 @@ The model is reached only through two injected callables, so that tests use fake
 
 * ``generate_fn(samples, *, policy, compression_ratio, budget, query_aware) -> list``: one
   answer per sample, a string or a dict with ``text`` and optional statistics (kept entries,
-  cache bytes, ...), stored under ``stats``;
+  cache bytes, ...), stored under ``stats``. When it has a ``many(samples, *, settings,
+  query_aware) -> list[list]`` attribute (one answer list per setting), the runner calls that
+  once per batch for all pending settings, so a model can share work between them;
 * ``logits_fn(samples, *, policy, compression_ratio, budget) -> list[np.ndarray]`` for the
   fidelity task: per sample, the logits ``[T, V]`` predicting each continuation token after the
   context was (or was not, with ``policy=None``) compressed.
@@ -198,29 +200,55 @@ def run(
 
 def _run_generation(task: str, batch: list[dict[str, Any]], settings: Sequence[Setting], store: ResultStore,
                     generate_fn: GenerateFn, metric: str, query_aware: bool, bar) -> None:
-    for st in settings:
-        todo = [s for s in batch if row_key(task, st.policy_name, st.label, s["id"]) not in store]
-        if not todo:
-            continue
+    pending = {st: [s for s in batch if row_key(task, st.policy_name, st.label, s["id"]) not in store]
+               for st in settings}
+    pending = {st: todo for st, todo in pending.items() if todo}
+    if not pending:
+        return
+    many = getattr(generate_fn, "many", None)
+    if many is not None:  # one call for every setting: the model prefill is shared between them
+        ids = {s["id"] for todo in pending.values() for s in todo}
+        union = [s for s in batch if s["id"] in ids]
+        bar.set_postfix_str(f"{task} x{len(pending)} settings")
+        start = time.perf_counter()
+        answers = many(union, settings=list(pending), query_aware=query_aware)
+        seconds = (time.perf_counter() - start) / (len(union) * len(pending))
+        if len(answers) != len(pending):
+            raise ValueError(f"generate_fn.many returned {len(answers)} answer lists for {len(pending)} settings")
+        for st, outs in zip(pending, answers):
+            by_id = dict(zip((s["id"] for s in union), _checked(outs, union)))
+            _store_answers(task, st, pending[st], [by_id[s["id"]] for s in pending[st]], store, metric,
+                           query_aware, seconds, bar)
+        return
+    for st, todo in pending.items():
         bar.set_postfix_str(f"{task} {st.policy_name} {st.label}")
         start = time.perf_counter()
-        outputs = generate_fn(todo, query_aware=query_aware, **st.kwargs())
-        seconds = (time.perf_counter() - start) / len(todo)
-        if len(outputs) != len(todo):
-            raise ValueError(f"generate_fn returned {len(outputs)} answers for {len(todo)} samples")
-        rows = []
-        for sample, out in zip(todo, outputs):
-            text = out["text"] if isinstance(out, dict) else out
-            if not isinstance(text, str):
-                raise TypeError(f"generate_fn must return strings or dicts with a 'text' string, got {type(text)}")
-            stats = {k: _jsonable(v) for k, v in out.items() if k != "text"} if isinstance(out, dict) else {}
-            prediction = _truncate_at_stop(text, sample.get("stop"))
-            scored = score_prediction(metric, task, prediction, sample)
-            rows.append({**_base_row(task, st, sample, query_aware), "prediction": prediction,
-                         "answers": sample["answers"], "score": scored.pop("score"), "metrics": scored,
-                         "stats": stats, "seconds": seconds})
-        store.add(rows)
-        bar.update(len(todo))
+        outputs = _checked(generate_fn(todo, query_aware=query_aware, **st.kwargs()), todo)
+        _store_answers(task, st, todo, outputs, store, metric, query_aware,
+                       (time.perf_counter() - start) / len(todo), bar)
+
+
+def _checked(outputs: list[Any], samples: list[dict[str, Any]]) -> list[Any]:
+    if len(outputs) != len(samples):
+        raise ValueError(f"generate_fn returned {len(outputs)} answers for {len(samples)} samples")
+    return outputs
+
+
+def _store_answers(task: str, st: Setting, samples: list[dict[str, Any]], outputs: list[Any], store: ResultStore,
+                   metric: str, query_aware: bool, seconds: float, bar) -> None:
+    rows = []
+    for sample, out in zip(samples, outputs):
+        text = out["text"] if isinstance(out, dict) else out
+        if not isinstance(text, str):
+            raise TypeError(f"generate_fn must return strings or dicts with a 'text' string, got {type(text)}")
+        stats = {k: _jsonable(v) for k, v in out.items() if k != "text"} if isinstance(out, dict) else {}
+        prediction = _truncate_at_stop(text, sample.get("stop"))
+        scored = score_prediction(metric, task, prediction, sample)
+        rows.append({**_base_row(task, st, sample, query_aware), "prediction": prediction,
+                     "answers": sample["answers"], "score": scored.pop("score"), "metrics": scored,
+                     "stats": stats, "seconds": seconds})
+    store.add(rows)
+    bar.update(len(samples))
 
 
 def _run_fidelity(task: str, batch: list[dict[str, Any]], settings: Sequence[Setting], store: ResultStore,
