@@ -179,16 +179,18 @@ def _feed(params, cache, tokens, positions, logit_index, *, cfg: ModelConfig, me
     return logits, _constrain(cache, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "sampler", "stop_ids", "pad_id", "mesh"),
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "sampler", "stop_ids", "pad_id", "mesh",
+                                             "rope_mode"),
                    donate_argnames=("cache",))
 def _decode(params, cache, state, first, pos0, key, plan, limit, *, cfg: ModelConfig, steps: int, policy,
-            sampler: Sampler, stop_ids: tuple[int, ...], pad_id: int, mesh):
+            sampler: Sampler, stop_ids: tuple[int, ...], pad_id: int, mesh, rope_mode: str):
     """Decodes up to `limit - 1` (traced, <= steps) tokens after `first` [B] under `lax.while_loop`;
-    returns tokens [B, steps] (pad after `limit`)."""
+    returns tokens [B, steps] (pad after `limit`). `policy` (with its `plan` and `state`) is given
+    only for decode-time eviction; every other policy shares the plain loop of its cache capacity."""
     TRACE_COUNTS["decode"] += 1
     B = first.shape[0]
     stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
-    decode_time = policy is not None and policy.requirements().step_probs
+    decode_time = policy is not None
     out = jnp.full((B, steps), pad_id, jnp.int32).at[:, 0].set(first)
     done = jnp.isin(first, stops)
 
@@ -201,7 +203,7 @@ def _decode(params, cache, state, first, pos0, key, plan, limit, *, cfg: ModelCo
         slots = cache.write_slots(1)
         q_pos = jnp.where(done, -1, pos)[:, None]
         logits, cache, obs = extend(params, cfg, cache, last[:, None], q_pos, fresh=False,
-                                    observe=Observe(step_probs=decode_time), slots=slots, rope_mode=_rope_mode(policy))
+                                    observe=Observe(step_probs=decode_time), slots=slots, rope_mode=rope_mode)
         key, sub = jax.random.split(key)
         nxt = jnp.where(done, pad_id, sampler(logits[:, 0], sub))
         out = out.at[:, i].set(nxt)
@@ -338,9 +340,11 @@ def _answer(model: Model, batch: _Batch, first, cache, state, policy, plan, key)
         first = batch.sampler(logits[:, 0], k_question)
         pos0 = jnp.asarray(batch.lengths + batch.q_lengths)
     cache_bytes = cache.nbytes()
-    out, cache = _decode(model.params, cache, state, first, pos0, k_decode, plan, jnp.int32(batch.max_new_tokens),
-                         cfg=cfg, steps=batch.steps, policy=policy, sampler=batch.sampler, stop_ids=batch.stop_ids,
-                         pad_id=batch.pad_id, mesh=model.mesh)
+    decode_time = policy is not None and policy.requirements().step_probs
+    out, cache = _decode(model.params, cache, state if decode_time else None, first, pos0, k_decode,
+                         plan if decode_time else None, jnp.int32(batch.max_new_tokens), cfg=cfg, steps=batch.steps,
+                         policy=policy if decode_time else None, sampler=batch.sampler, stop_ids=batch.stop_ids,
+                         pad_id=batch.pad_id, mesh=model.mesh, rope_mode=_rope_mode(policy))
     out = np.array(jax.device_get(out))[:, :batch.max_new_tokens]
     B = len(batch.rows)
     out_lengths = np.full(B, batch.max_new_tokens, np.int32)

@@ -41,29 +41,36 @@ def _split_ids(samples: list[dict[str, Any]], tokenizer: Any, query_aware: bool)
     return contexts, questions
 
 
-def make_generate_fn(model: Any, pad_to: int | None = None):
+def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int = 128):
     """A runner ``generate_fn`` calling `kvjax.generate` in context-then-question mode, greedy.
 
     pad_to: batches smaller than this are padded with copies of their last row (answers dropped),
     so that a partial last batch reuses the compiled program of the full ones.
+    min_new_tokens: every batch decodes with at least this cap, so tasks with different caps share
+    one compiled decode loop; each answer is then cut to its own task's cap (greedy decoding makes
+    that the answer a run with the smaller cap would give).
     """
     tokenizer = model.tokenizer
     if tokenizer is None:
         raise ValueError(f"the model at {model.path} has no tokenizer: only the fidelity task can run on it")
 
-    def _outputs(out, contexts, questions, n: int) -> list[dict[str, Any]]:
-        texts = out.texts if out.texts is not None else [
-            tokenizer.decode(out.tokens[b, : out.lengths[b]].tolist(), skip_special_tokens=True) for b in range(n)]
-        return [{"text": texts[b], "kept": float(out.kept[b]), "generated_tokens": int(out.lengths[b]),
-                 "prompt_tokens": len(contexts[b]) + len(questions[b]), "batch_cache_bytes": int(out.cache_bytes)}
-                for b in range(n)]
+    def _outputs(out, samples, contexts, questions) -> list[dict[str, Any]]:
+        rows = []
+        for b, s in enumerate(samples):  # each row cut to its own task's cap (greedy: a prefix of the longer run)
+            n = min(int(out.lengths[b]), int(s["max_new_tokens"]))
+            rows.append({"text": tokenizer.decode(out.tokens[b, :n].tolist(), skip_special_tokens=True),
+                         "kept": float(out.kept[b]), "generated_tokens": n,
+                         "prompt_tokens": len(contexts[b]) + len(questions[b]),
+                         "batch_cache_bytes": int(out.cache_bytes)})
+        return rows
 
     def _inputs(samples, query_aware):
         contexts, questions = _split_ids(samples, tokenizer, query_aware)
         extra = max(0, (pad_to or 0) - len(samples))
+        # one decode length for every task (the loop stops when all rows have stopped): one compiled loop
+        cap = max([min_new_tokens] + [s["max_new_tokens"] for s in samples])
         return contexts, questions, dict(prompts=contexts + contexts[-1:] * extra,
-                                         questions=questions + questions[-1:] * extra,
-                                         max_new_tokens=max(s["max_new_tokens"] for s in samples))
+                                         questions=questions + questions[-1:] * extra, max_new_tokens=cap)
 
     def generate_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
                     budget: int | None, query_aware: bool) -> list[dict[str, Any]]:
@@ -72,7 +79,7 @@ def make_generate_fn(model: Any, pad_to: int | None = None):
         contexts, questions, kw = _inputs(samples, query_aware)
         out = generate(model, kw.pop("prompts"), policy=policy, compression_ratio=compression_ratio, budget=budget,
                        **kw)
-        return _outputs(out, contexts, questions, len(samples))
+        return _outputs(out, samples, contexts, questions)
 
     def many(samples: list[dict[str, Any]], *, settings, query_aware: bool) -> list[list[dict[str, Any]]]:
         """All `settings` (runner Settings) on one batch, sharing the model prefill."""
@@ -81,7 +88,7 @@ def make_generate_fn(model: Any, pad_to: int | None = None):
         contexts, questions, kw = _inputs(samples, query_aware)
         outs = generate_settings(model, kw.pop("prompts"),
                                  [Setting(st.policy, st.budget, st.compression_ratio) for st in settings], **kw)
-        return [_outputs(out, contexts, questions, len(samples)) for out in outs]
+        return [_outputs(out, samples, contexts, questions) for out in outs]
 
     generate_fn.many = many
     return generate_fn

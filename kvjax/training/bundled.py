@@ -15,6 +15,8 @@ import argparse
 import functools
 import json
 import pathlib
+import random
+import re
 from typing import Any
 
 import jax
@@ -22,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import yaml
 
+from kvjax.eval.tasks.ruler import MAX_NEW_TOKENS
 from kvjax.models.config import ModelConfig
 from kvjax.models.export import init_params, save_hf
 from kvjax.models.llama import extend
@@ -48,23 +51,68 @@ def model_config(spec: dict[str, Any], tokenizer) -> ModelConfig:
     )
 
 
+NEEDLE = re.compile(r"One of the special magic (\w+) for (\S+) is: ([^\s.]+)\.")
+ANSWER_ROOM = 40  # tokens a row keeps for its answer (the longest, four needle values, is 37 with the end token)
+MAX_TARGETS = 256  # target tokens scored per row (logits are computed only there)
+
+
 def render(sample: dict[str, Any], tokenizer) -> tuple[list[int], list[int]]:
-    """(prompt ids as the evaluation feeds them, target ids = the task's canonical completion + end-of-turn)."""
+    """(prompt ids as the evaluation feeds them, target ids = the task's canonical completion + end-of-turn).
+
+    Needle answers are listed in their order of appearance in the context (the metric ignores order).
+    """
     from kvjax.eval.prompts import build_prompt, encode_prompt
     from kvjax.eval.tasks.targets import completion
 
+    if sample["task"].startswith("niah") and len(sample["answers"]) > 1:
+        ctx = sample["context"]
+        sample = {**sample, "answers": sorted(sample["answers"], key=lambda a: ctx.find(a))}
     context, question = encode_prompt(build_prompt(sample, tokenizer), tokenizer)
     answer = tokenizer.encode(completion(sample), add_special_tokens=False)
     return context + question, answer + [tokenizer.eos_token_id]
 
 
-MAX_TARGETS = 64  # answer tokens scored per row (logits are computed only there)
+def needle_drills(sample: dict[str, Any], rng: random.Random) -> list[tuple[str, str, str, tuple[str, ...]]]:
+    """Extra questions on the needles of a sample's context, in random order: (question, prefix, answer, keys).
+
+    Every needle line of the haystack (distractors included) is a key-value fact the context states,
+    so asking about each one gives many retrieval targets per long sequence instead of one. Keys with
+    several values are asked in the plural form; a quarter of the drills ask 2-4 keys at once (as
+    niah_multiquery does). Questions use RULER's own templates.
+    """
+    from kvjax.eval.tasks import templates as T
+
+    facts: dict[str, tuple[str, list[str]]] = {}
+    for kind, key, value in NEEDLE.findall(sample["context"]):
+        facts.setdefault(key, (kind, []))[1].append(value)
+    keys = list(facts)
+    rng.shuffle(keys)
+    drills = []
+    while keys:
+        take = rng.randint(2, 4) if len(keys) >= 2 and rng.random() < 0.25 else 1
+        group, keys = keys[:take], keys[take:]
+        if len({facts[k][0] for k in group}) > 1:
+            group = group[:1]
+        kind = facts[group[0]][0]
+        values = [v for k in group for v in facts[k][1]]
+        query = ", ".join(group[:-1]) + ", and " + group[-1] if len(group) > 1 else group[0]
+        tmpl = (T.NIAH_QUESTION, T.NIAH_ANSWER_PREFIX)
+        if len(values) == 1:  # RULER's singular form: "A special magic number ... is"
+            tmpl, kind = tuple(T.singular(t) for t in tmpl), kind[:-1]
+        q, prefix = (t.format(type_needle_v=kind, query=query) for t in tmpl)
+        drills.append((q, prefix, " " + ", ".join(values) + ".", tuple(group)))
+    return drills
 
 
 class TaskBatches:
     """batches(step) -> tokens, positions [B, length]; target_index, targets, weights [B, MAX_TARGETS].
 
     A pure function of `step`. target_index[b, j] is the position whose logits predict targets[b, j].
+    Each row is one task sample rendered exactly as the evaluation renders it, answered, then (for
+    samples whose context holds other needles) followed by further user turns of `needle_drills`
+    until the row is full; a random fraction up to `drill_fraction` of the row is set aside for them.
+    `curriculum` ([[until_step, lengths, batch_size?], ...]) trains on shorter rows (in bigger batches) first; `task_weights` repeats
+    tasks in the mix (the needle-haystack tasks carry the most drills).
     """
 
     def __init__(self, data: dict[str, Any], tokenizer):
@@ -72,68 +120,154 @@ class TaskBatches:
         from kvjax.eval.tasks import task_names
 
         self.lengths = list(data["lengths"])
+        # [until_step, lengths] or [until_step, lengths, batch_size]
+        self.curriculum = [(int(c[0]), list(c[1]), int(c[2]) if len(c) > 2 else int(data["batch_size"]))
+                           for c in data.get("curriculum", [])]
+        self.drill_fraction = float(data.get("drill_fraction", 0.0))
         self.batch_size = int(data["batch_size"])
         self.seed = int(data["seed"])
         self.tokenizer = tokenizer
         self.overhead = chat_overhead(tokenizer)
-        # tasks whose prompt fits each length (variable tracking needs ~768 tokens for its one-shot example)
-        self.tasks = {n: [t for t in task_names(data["suite"]) if self._fits(t, n)] for n in self.lengths}
+        self.turn = self._turn_format()
+        all_lengths = sorted({n for _, ls, _ in self.curriculum for n in ls} | set(self.lengths))
+        self.min_length = {t: self._min_length(t, max(all_lengths)) for t in task_names(data["suite"])}
+        weights = {t: int(w) for t, w in data.get("task_weights", {}).items()}
+        if unknown := set(weights) - set(self.min_length):
+            raise ValueError(f"task_weights names {sorted(unknown)}, not in suite {data['suite']!r}: "
+                             f"{sorted(self.min_length)}")
+        # each task appears task_weights[task] times (default 1) in the cycle rows are drawn from
+        self.tasks = {n: [t for t, m in self.min_length.items() if m <= n for _ in range(weights.get(t, 1))]
+                      for n in all_lengths}
         if not all(self.tasks.values()):
-            raise ValueError(f"no task of suite {data['suite']!r} fits lengths {self.lengths}")
+            raise ValueError(f"no task of suite {data['suite']!r} fits lengths {all_lengths}")
 
-    def _fits(self, task: str, length: int) -> bool:
+    def _turn_format(self) -> str:
+        """The text between an answer's end-of-turn token and the next answer: '{question}', '{prefix}'."""
+        msgs = [{"role": "user", "content": "\x00"}, {"role": "assistant", "content": "\x01"},
+                {"role": "user", "content": "\x02"}]
+        text = self.tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        tail = text.split("\x01", 1)[1]
+        if not tail.startswith(self.tokenizer.eos_token):
+            raise ValueError("the chat template does not end an assistant turn with the eos token")
+        return tail[len(self.tokenizer.eos_token):].replace("\x02", "{question}") + "{prefix}"
+
+    def _generate(self, task: str, length: int, index: int) -> dict[str, Any]:
         from kvjax.eval.tasks import generate_task
 
+        return generate_task(task, self.tokenizer, length, 1, seed=self.seed + index, overhead=self.overhead)[0]
+
+    def _min_length(self, task: str, top: int) -> int:
+        lo, hi = 64, top  # smallest multiple of 32 the task fits in
+        if not self._fits(task, hi):
+            return top + 1
+        while hi - lo > 32:
+            mid = (lo + hi) // 64 * 32
+            lo, hi = (lo, mid) if self._fits(task, mid) else (mid, hi)
+        return hi
+
+    def _fits(self, task: str, length: int) -> bool:
         try:
-            generate_task(task, self.tokenizer, length, 1, seed=self.seed, overhead=self.overhead)
+            self._generate(task, length, 0)
             return True
         except ValueError:
             return False
 
-    def sample(self, step: int, i: int) -> tuple[list[int], list[int]]:
-        from kvjax.eval.tasks import generate_task
+    def stage(self, step: int) -> tuple[list[int], int]:
+        """(row lengths, batch size) in force at `step`."""
+        for until, lengths, batch_size in self.curriculum:
+            if step < until:
+                return lengths, batch_size
+        return self.lengths, self.batch_size
 
-        index = step * self.batch_size + i
-        length = self.lengths[step % len(self.lengths)]
+    def length_at(self, step: int) -> int:
+        lengths, _ = self.stage(step)
+        return lengths[step % len(lengths)]
+
+    def sample(self, step: int, i: int) -> tuple[list[int], list[int]]:
+        """(token ids, indices into them that are targets) of row i at `step`."""
+        index = step * 1000 + i  # unique while batches stay below 1000 rows
+        length = self.length_at(step)
         tasks = self.tasks[length]
         task = tasks[index % len(tasks)]
-        s = generate_task(task, self.tokenizer, length, 1, seed=self.seed + index, overhead=self.overhead)[0]
-        return render(s, self.tokenizer)
+        rng = random.Random(self.seed * 1_000_003 + index)
+        reserve = int(length * rng.uniform(0.0, self.drill_fraction))
+        # the generators keep the task's whole generation cap free; a training row needs only ANSWER_ROOM of it
+        slack = max(0, MAX_NEW_TOKENS["vt" if task == "vt" else "niah"] - ANSWER_ROOM)
+        sample = self._generate(task, max(self.min_length[task], length + slack - reserve), index)
+        queried = set(query_keys(sample))
+        drills = [d for d in needle_drills(sample, rng) if not queried & set(d[3])]
+        if not drills and reserve:
+            sample = self._generate(task, length + slack, index)
+        prompt, answer = render(sample, self.tokenizer)
+        ids, targets = prompt + answer, list(range(len(prompt), len(prompt) + len(answer)))
+        for question, prefix, value, _ in drills:
+            turn = self.tokenizer.encode(self.turn.format(question=question, prefix=prefix), add_special_tokens=False)
+            reply = self.tokenizer.encode(value, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            if len(ids) + len(turn) + len(reply) > length or len(targets) + len(reply) > MAX_TARGETS:
+                break
+            ids += turn
+            targets += range(len(ids), len(ids) + len(reply))
+            ids += reply
+        return ids, targets
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
-        length = self.lengths[step % len(self.lengths)]
-        B = self.batch_size
+        length = self.length_at(step)
+        B = self.stage(step)[1]
         tokens = np.full((B, length), self.tokenizer.pad_token_id, np.int32)
         positions = np.full((B, length), -1, np.int32)
         target_index = np.zeros((B, MAX_TARGETS), np.int32)
         targets = np.zeros((B, MAX_TARGETS), np.int32)
         weights = np.zeros((B, MAX_TARGETS), np.float32)
+        context_weights = np.zeros((B, length), np.float32)  # at p: token p+1 is real and not a target
         for i in range(B):
-            prompt, answer = self.sample(step, i)
-            seq = prompt + answer
-            if len(seq) > length or len(answer) > MAX_TARGETS:
-                raise ValueError(f"sample of {len(seq)} tokens ({len(answer)} answer tokens) exceeds "
+            ids, where = self.sample(step, i)
+            if len(ids) > length or len(where) > MAX_TARGETS:
+                raise ValueError(f"row of {len(ids)} tokens ({len(where)} targets) exceeds "
                                  f"length={length} / MAX_TARGETS={MAX_TARGETS}")
-            n, a = len(seq), len(answer)
-            tokens[i, :n] = seq
+            n, a = len(ids), len(where)
+            tokens[i, :n] = ids
             positions[i, :n] = np.arange(n)
-            target_index[i, :a] = np.arange(len(prompt) - 1, n - 1)  # each answer token from the one before
-            targets[i, :a] = answer
+            target_index[i, :a] = np.asarray(where) - 1  # each target from the token before it
+            targets[i, :a] = np.asarray(ids)[where]
             weights[i, :a] = 1.0
+            context_weights[i, : n - 1] = 1.0
+            context_weights[i, target_index[i, :a]] = 0.0
         return {"tokens": tokens, "positions": positions, "target_index": target_index, "targets": targets,
-                "weights": weights}
+                "weights": weights, "context_weights": context_weights}
 
 
-def lm_loss(params, frozen, batch, *, cfg: ModelConfig):
-    """Weighted next-token cross-entropy; metrics: answer-token accuracy."""
+def query_keys(sample: dict[str, Any]) -> list[str]:
+    """The keys a needle sample's own question asks about (parsed from its answer prefix)."""
+    m = re.search(r" for (.+) mentioned in the provided text", sample.get("answer_prefix", ""))
+    if not m:
+        return []
+    return [k.strip() for k in re.split(r", and |, ", m.group(1))]
+
+
+def lm_loss(params, frozen, batch, *, cfg: ModelConfig, context_weight: float = 0.0):
+    """Mean next-token cross-entropy on the answer tokens, plus `context_weight` x the mean over
+    every other real token (plain language modelling of the prompts: the haystacks, needle lines and
+    questions repeat keys and values, which is what grows copying heads early). Metrics: the two
+    losses and answer-token accuracy."""
     logits, _, _ = extend(params, cfg, None, batch["tokens"], batch["positions"], fresh=True,
-                          logit_index=batch["target_index"])
+                          logit_index=None if context_weight else batch["target_index"])
     logp = jax.nn.log_softmax(logits, axis=-1)
-    nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
+    if context_weight:
+        ans_logp = jnp.take_along_axis(logp, batch["target_index"][..., None], axis=1)
+        tokens = batch["tokens"]
+        nxt = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+        nll_all = -jnp.take_along_axis(logp, nxt[..., None], axis=-1)[..., 0]
+        cw = batch["context_weights"]
+        context_nll = (nll_all * cw).sum() / jnp.maximum(cw.sum(), 1.0)
+    else:
+        ans_logp, context_nll = logp, jnp.float32(0.0)
+    nll = -jnp.take_along_axis(ans_logp, batch["targets"][..., None], axis=-1)[..., 0]
     w = batch["weights"]
     denom = jnp.maximum(w.sum(), 1.0)
-    acc = ((jnp.argmax(logits, -1) == batch["targets"]) * w).sum() / denom
-    return (nll * w).sum() / denom, {"answer_token_accuracy": acc}
+    acc = ((jnp.argmax(ans_logp, -1) == batch["targets"]) * w).sum() / denom
+    answer_nll = (nll * w).sum() / denom
+    return answer_nll + context_weight * context_nll, {"answer_token_accuracy": acc, "answer_loss": answer_nll,
+                                                        "context_loss": context_nll}
 
 
 def plot_loss(log_path: pathlib.Path, out_png: pathlib.Path) -> list[dict[str, float]]:
@@ -146,9 +280,11 @@ def plot_loss(log_path: pathlib.Path, out_png: pathlib.Path) -> list[dict[str, f
     rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(steps, [r["loss"] for r in rows], label="answer loss")
+    ax.plot(steps, [r.get("answer_loss", r["loss"]) for r in rows], label="answer loss")
+    if any("context_loss" in r for r in rows):
+        ax.plot(steps, [r.get("context_loss", float("nan")) for r in rows], label="prompt-token loss", alpha=0.7)
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (answer tokens)")
+    ax.set_ylabel("cross-entropy (nats)")
     ax2 = ax.twinx()
     ax2.plot(steps, [r["answer_token_accuracy"] for r in rows], color="tab:orange", label="answer-token accuracy")
     ax2.set_ylabel("accuracy")
@@ -162,6 +298,8 @@ def plot_loss(log_path: pathlib.Path, out_png: pathlib.Path) -> list[dict[str, f
 def write_model_card(out: pathlib.Path, conf: dict[str, Any], cfg: ModelConfig, rows: list[dict[str, float]],
                      config_path: str) -> None:
     """MODEL_CARD.md beside the exported weights: architecture, command, data, steps, loss curve."""
+    curriculum = "; ".join(f"{c[1]} (batch {c[2] if len(c) > 2 else conf['data']['batch_size']}) until step {c[0]}"
+                           for c in conf["data"].get("curriculum", []))
     n_params = sum(int(np.prod(s)) for s in jax.tree.leaves(_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
     last = rows[-1] if rows else {}
     text = f"""# kvjax bundled model
@@ -174,11 +312,16 @@ It is a test instrument for KV-cache eviction, not a language model.
   (head_dim {cfg.head_dim}), MLP {cfg.intermediate_size}, vocabulary {cfg.vocab_size} (byte-level BPE in this
   folder), tied embeddings, RoPE theta {cfg.rope_theta}, {cfg.max_position_embeddings} positions; {n_params:,} parameters
 - data: generated on the fly by `kvjax.eval.tasks` (suite `{conf['data']['suite']}`: RULER needle tasks and
-  variable tracking) at lengths {conf['data']['lengths']} tokens, batch {conf['data']['batch_size']}, seeds from
-  {conf['data']['seed']} (disjoint from the evaluation's); loss on the answer tokens only
+  variable tracking), rendered with the chat template exactly as the evaluation renders them, at row lengths
+  {conf['data']['lengths']} tokens (first {curriculum}), batch {conf['data']['batch_size']}, seeds from
+  {conf['data']['seed']} (disjoint from the evaluation's), task weights {conf['data'].get('task_weights', {})}.
+  After its answer, each row holds further user turns asking about the other needles of its context
+  (up to {conf['data'].get('drill_fraction', 0):.0%} of the row), so one long context yields many retrieval targets
+- loss: mean cross-entropy on the answer tokens + {conf['train'].get('context_weight', 0)} x mean cross-entropy on
+  every other prompt token (language modelling of the prompts)
 - optimisation: AdamW, peak LR {conf['optim']['learning_rate']}, warmup {conf['optim']['warmup_fraction']:.0%},
   cosine decay, clip {conf['optim']['clip_norm']}; {last.get('step', 0)} steps
-- final training loss {last.get('loss', float('nan')):.4f}, answer-token accuracy {last.get('answer_token_accuracy', float('nan')):.3f}
+- final answer loss {last.get('answer_loss', last.get('loss', float('nan'))):.4f}, answer-token accuracy {last.get('answer_token_accuracy', float('nan')):.3f}
 - reproduce: `python -m kvjax.training.bundled --config {config_path} --workdir runs/bundled` (resumes
   when re-run), then `--export kvjax/assets/model`
 
@@ -226,7 +369,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"exported step {int(state['step'])} to {out}")
         return
     batches = TaskBatches(conf["data"], tokenizer)
-    loss = functools.partial(lm_loss, cfg=cfg)
+    loss = functools.partial(lm_loss, cfg=cfg, context_weight=float(conf["train"].get("context_weight", 0.0)))
     pathlib.Path(args.workdir).mkdir(parents=True, exist_ok=True)
     (pathlib.Path(args.workdir) / "config.json").write_text(json.dumps(conf, indent=2))
     _, steps = train(loss, params, None, batches, optim, args.workdir,

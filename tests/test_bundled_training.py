@@ -1,0 +1,134 @@
+"""The bundled model's training data (rows, needle drills, curriculum) and its loss."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from kvjax.eval.prompts import build_prompt, encode_prompt
+from kvjax.eval.tasks.targets import completion
+from kvjax.models.export import init_params
+from kvjax.models.llama import extend
+from kvjax.training import bundled
+
+DATA = {"suite": "default", "lengths": [512, 768], "curriculum": [[3, [256], 5]], "drill_fraction": 0.6,
+        "task_weights": {"niah_multikey_2": 2}, "batch_size": 4, "seed": 123}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return bundled.load_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def batches(tokenizer):
+    return bundled.TaskBatches(DATA, tokenizer)
+
+
+def test_curriculum_stages_and_purity(batches):
+    assert batches.stage(0) == ([256], 5) and batches.stage(3) == ([512, 768], 4)
+    a, b = batches(1), batches(1)
+    assert a["tokens"].shape == (5, 256) and batches(5)["tokens"].shape == (4, 768)
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k])
+    assert batches.tasks[512].count("niah_multikey_2") == 2 and "niah_multikey_3" not in batches.tasks[256]
+
+
+def test_rows_open_with_the_evaluation_prompt_and_its_answer(batches, tokenizer):
+    """Row = the task sample rendered as the evaluation renders it, then its canonical answer."""
+    for step in (0, 3, 4):
+        for i in range(batches.stage(step)[1]):
+            ids, targets = batches.sample(step, i)
+            length = batches.length_at(step)
+            assert len(ids) <= length and targets and targets[-1] < len(ids)
+            first = targets[0]
+            prompt = ids[:first]
+            text = tokenizer.decode(prompt)
+            assert text.startswith(tokenizer.bos_token + "<|user|>\n") and text.endswith(
+                ("provided text is", "provided text are", "they are: "))
+            answer_end = ids.index(tokenizer.eos_token_id, first)
+            assert targets[: answer_end - first + 1] == list(range(first, answer_end + 1))
+
+
+def test_drill_answers_are_what_the_context_says(batches, tokenizer):
+    """Every extra question asks about needles of the row's own context, and its target is
+    exactly the values that context gives that key (all of them, in order of appearance)."""
+    drilled = 0
+    for step in range(3, 9):
+        for i in range(batches.stage(step)[1]):
+            ids, targets = batches.sample(step, i)
+            text = tokenizer.decode(ids)
+            turns = text.split("<|end|>\n<|user|>\n")
+            facts = {}
+            for kind, key, value in bundled.NEEDLE.findall(turns[0]):
+                facts.setdefault(key, []).append(value)
+            for turn in turns[1:]:
+                reply = turn.split("<|assistant|>\n")[1]
+                m = re.fullmatch(r" The .+ for (.+) mentioned in the provided text (?:is|are) (.+)\.(?:<\|end\|>)?", reply)
+                keys = re.split(r", and |, ", m.group(1))
+                assert m.group(2).split(", ") == [v for k in keys for v in facts[k]]
+                drilled += 1
+            # targets are the answers' tokens and end tokens, nothing of the questions
+            n_turns = len(turns)
+            assert sum(ids[t] == tokenizer.eos_token_id for t in targets) == n_turns
+    assert drilled > 6
+
+
+def test_needle_drills_use_ruler_templates():
+    sample = {"context": "x One of the special magic numbers for red-fox is: 1234567. y\n"
+                         "One of the special magic numbers for blue-cat is: 7654321.\n"
+                         "One of the special magic numbers for red-fox is: 1111111.",
+              "answer_prefix": " The special magic number for blue-cat mentioned in the provided text is"}
+    import random
+
+    drills = bundled.needle_drills(sample, random.Random(0))
+    by_keys = {d[3]: d for d in drills}
+    if ("red-fox",) in by_keys:  # two values: the plural form
+        q, prefix, answer, _ = by_keys[("red-fox",)]
+        assert q == "What are all the special magic numbers for red-fox mentioned in the provided text?"
+        assert answer == " 1234567, 1111111."
+    assert bundled.query_keys(sample) == ["blue-cat"]
+    single = bundled.needle_drills({"context": sample["context"].split("\n")[1]}, random.Random(0))
+    assert single == [("What is the special magic number for blue-cat mentioned in the provided text?",
+                       " The special magic number for blue-cat mentioned in the provided text is", " 7654321.",
+                       ("blue-cat",))]
+
+
+def test_render_matches_the_evaluation_split(tokenizer):
+    from kvjax.eval.tasks import generate_task
+
+    s = generate_task("niah_multivalue", tokenizer, 512, 1, seed=5)[0]
+    prompt, answer = bundled.render(s, tokenizer)
+    ctx, q = encode_prompt(build_prompt(s, tokenizer), tokenizer)
+    assert prompt == ctx + q
+    assert answer[-1] == tokenizer.eos_token_id
+    values = tokenizer.decode(answer[:-1]).strip(" .").split(", ")
+    assert sorted(values) == sorted(s["answers"]) and completion(s) != ""
+    assert values == sorted(values, key=s["context"].find)  # order of appearance
+
+
+def test_lm_loss_against_a_numpy_reference(batches, tokenizer):
+    cfg = bundled.model_config({"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
+                                "num_kv_heads": 1, "head_dim": 16, "max_position_embeddings": 1024,
+                                "rope_theta": 10000.0, "tie_embeddings": True}, tokenizer)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    batch = batches(0)
+    logits, _, _ = extend(params, cfg, None, jnp.asarray(batch["tokens"]), jnp.asarray(batch["positions"]), fresh=True)
+    logp = np.asarray(jax.nn.log_softmax(logits, -1), np.float64)
+    B = logp.shape[0]
+    ans, ctx = [], []
+    for b in range(B):
+        n = int((batch["positions"][b] >= 0).sum())
+        tgt = set()
+        for j in range(int(batch["weights"][b].sum())):
+            p = batch["target_index"][b, j]
+            ans.append(-logp[b, p, batch["targets"][b, j]])
+            tgt.add(p)
+        ctx += [-logp[b, p, batch["tokens"][b, p + 1]] for p in range(n - 1) if p not in tgt]
+    for w in (0.0, 0.5):
+        loss, m = bundled.lm_loss(params, None, {k: jnp.asarray(v) for k, v in batch.items()}, cfg=cfg,
+                                  context_weight=w)
+        np.testing.assert_allclose(float(loss), np.mean(ans) + w * np.mean(ctx), rtol=2e-5)
+        np.testing.assert_allclose(float(m["answer_loss"]), np.mean(ans), rtol=2e-5)
