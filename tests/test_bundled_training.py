@@ -132,3 +132,22 @@ def test_lm_loss_against_a_numpy_reference(batches, tokenizer):
                                   context_weight=w)
         np.testing.assert_allclose(float(loss), np.mean(ans) + w * np.mean(ctx), rtol=2e-5)
         np.testing.assert_allclose(float(m["answer_loss"]), np.mean(ans), rtol=2e-5)
+
+
+def test_copy_and_recall_rows(batches, tokenizer):
+    """Copy rows: the reply is the user's list token for token. Recall rows: the reply states each
+    needle's value again (by its key), every fact exactly once; both fit the row and target the reply."""
+    for index in range(6):
+        ids, targets = batches._copy_row(256, index)
+        assert len(ids) <= 256 and targets == list(range(targets[0], len(ids)))
+        reply = ids[targets[0]: -1]
+        text = tokenizer.decode(ids[: targets[0]])
+        assert text.startswith(tokenizer.bos_token + "<|user|>\n" + bundled.COPY_INSTRUCTION)
+        assert tokenizer.decode(reply) in text and len(reply) > 80
+
+        ids, targets = batches._recall_row(384, index)
+        assert len(ids) <= 384 and targets == list(range(targets[0], len(ids)))
+        facts = dict((k, v) for _, k, v in bundled.NEEDLE.findall(tokenizer.decode(ids[: targets[0]])))
+        said = tokenizer.decode(ids[targets[0]: -1])
+        stated = re.findall(r"for (\S+)(?: mentioned in the provided text)? is:? (\d+)\.", said)
+        assert len(facts) >= 4 and sorted(stated) == sorted(facts.items())

@@ -52,6 +52,8 @@ def model_config(spec: dict[str, Any], tokenizer) -> ModelConfig:
 
 
 NEEDLE = re.compile(r"One of the special magic (\w+) for (\S+) is: ([^\s.]+)\.")
+COPY_INSTRUCTION = "Repeat the following text exactly.\n"
+RECALL_INSTRUCTION = "Memorize these special magic numbers, then state each one again.\n"
 ANSWER_ROOM = 40  # tokens a row keeps for its answer (the longest, four needle values, is 37 with the end token)
 MAX_TARGETS = 256  # target tokens scored per row (logits are computed only there)
 
@@ -111,6 +113,7 @@ class TaskBatches:
     Each row is one task sample rendered exactly as the evaluation renders it, answered, then (for
     samples whose context holds other needles) followed by further user turns of `needle_drills`
     until the row is full; a random fraction up to `drill_fraction` of the row is set aside for them.
+    A `copy_fraction` of rows instead ask to repeat a list of random values (`_copy_row`).
     `curriculum` ([[until_step, lengths, batch_size?], ...]) trains on shorter rows (in bigger batches) first; `task_weights` repeats
     tasks in the mix (the needle-haystack tasks carry the most drills).
     """
@@ -124,6 +127,9 @@ class TaskBatches:
         self.curriculum = [(int(c[0]), list(c[1]), int(c[2]) if len(c) > 2 else int(data["batch_size"]))
                            for c in data.get("curriculum", [])]
         self.drill_fraction = float(data.get("drill_fraction", 0.0))
+        self.copy_fraction = float(data.get("copy_fraction", 0.0))
+        recall = data.get("recall", {})  # {from_step, share}: copy rows that become `_recall_row`s
+        self.recall_from, self.recall_share = int(recall.get("from_step", 0)), float(recall.get("share", 0.0))
         self.batch_size = int(data["batch_size"])
         self.seed = int(data["seed"])
         self.tokenizer = tokenizer
@@ -190,6 +196,10 @@ class TaskBatches:
         tasks = self.tasks[length]
         task = tasks[index % len(tasks)]
         rng = random.Random(self.seed * 1_000_003 + index)
+        if rng.random() < self.copy_fraction:
+            if step >= self.recall_from and rng.random() < self.recall_share:
+                return self._recall_row(length, index)
+            return self._copy_row(length, index)
         reserve = int(length * rng.uniform(0.0, self.drill_fraction))
         # the generators keep the task's whole generation cap free; a training row needs only ANSWER_ROOM of it
         slack = max(0, MAX_NEW_TOKENS["vt" if task == "vt" else "niah"] - ANSWER_ROOM)
@@ -209,6 +219,76 @@ class TaskBatches:
             targets += range(len(ids), len(ids) + len(reply))
             ids += reply
         return ids, targets
+
+    def _copy_row(self, length: int, index: int) -> tuple[list[int], list[int]]:
+        """A user turn asking to repeat a list of random items, answered with that list.
+
+        The items are the tasks' random values (7-digit numbers, UUIDs, adjective-noun keys,
+        variable names), so no token of the reply can be guessed: it must be copied. Copying a text
+        seen once is what induction heads do, the second half of retrieval (find the key, then copy
+        what follows it); every token of the reply is a target.
+        """
+        from kvjax.eval.tasks.haystacks import key_words, random_value
+
+        rng = random.Random(self.seed * 7_000_003 + index)
+        words = key_words()
+        kinds = ("numbers", "uuids", "words", "names")
+        head = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": COPY_INSTRUCTION + "\x00"}], tokenize=False, add_generation_prompt=True)
+        before, after = (self.tokenizer.encode(t, add_special_tokens=False) for t in head.split("\x00"))
+        span = (length - len(before) - len(after) - 1) // 2
+        items: list[str] = []
+        while len(self.tokenizer.encode(" ".join(items), add_special_tokens=False)) < span:
+            kind = rng.choice(kinds)
+            items.append("".join(rng.choices("ABCDEFGHIJKLMNOPQRSTUVWXYZ", k=5)) if kind == "names"
+                         else random_value(kind, rng, words))
+        chunk = self.tokenizer.encode(" ".join(items), add_special_tokens=False)[:span]
+        row = before + chunk + after
+        return row + chunk + [self.tokenizer.eos_token_id], list(range(len(row), len(row) + len(chunk) + 1))
+
+    def _recall_row(self, length: int, index: int) -> tuple[list[int], list[int]]:
+        """Needle lines, then a reply that states every key's value again in shuffled order.
+
+        The reply is either the needle lines themselves ("... for KEY is: VALUE.") or the answer
+        sentences of the evaluation (" The special magic number for KEY mentioned in the provided
+        text is VALUE."), so each value is a retrieval by its key, at a short or at the evaluation's
+        distance from it; every token of the reply is a target.
+        """
+        from kvjax.eval.tasks import templates as T
+        from kvjax.eval.tasks.haystacks import key_words, random_value
+
+        rng = random.Random(self.seed * 5_000_011 + index)
+        words = key_words()
+        answer_style = rng.random() < 0.5
+        head = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": RECALL_INSTRUCTION + "\x00"}], tokenize=False, add_generation_prompt=True)
+        before, after = (self.tokenizer.encode(t, add_special_tokens=False) for t in head.split("\x00"))
+        order = random.Random(index)
+
+        def render(facts: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
+            lines = "\n".join(T.NIAH_NEEDLE.format(type_needle_v="numbers", key=k, value=v) for k, v in facts)
+            shuffled = random.Random(order.random()).sample(facts, len(facts))
+            if answer_style:
+                answer = T.singular(T.NIAH_ANSWER_PREFIX)
+                reply = "\n".join(answer.format(type_needle_v="number", query=k) + f" {v}." for k, v in shuffled)
+            else:
+                reply = "\n".join(T.NIAH_NEEDLE.format(type_needle_v="numbers", key=k, value=v) for k, v in shuffled)
+            return (self.tokenizer.encode(lines, add_special_tokens=False),
+                    self.tokenizer.encode(reply, add_special_tokens=False))
+
+        facts: list[tuple[str, str]] = []
+        while True:
+            key = random_value("words", rng, words)
+            if any(key == k for k, _ in facts):
+                continue
+            candidate = facts + [(key, random_value("numbers", rng, words))]
+            ctx, reply = render(candidate)
+            if len(before) + len(ctx) + len(after) + len(reply) + 1 > length:
+                break
+            facts = candidate
+        ctx, reply = render(facts)
+        row = before + ctx + after
+        return row + reply + [self.tokenizer.eos_token_id], list(range(len(row), len(row) + len(reply) + 1))
 
     def __call__(self, step: int) -> dict[str, np.ndarray]:
         length = self.length_at(step)
@@ -296,7 +376,7 @@ def plot_loss(log_path: pathlib.Path, out_png: pathlib.Path) -> list[dict[str, f
 
 
 def write_model_card(out: pathlib.Path, conf: dict[str, Any], cfg: ModelConfig, rows: list[dict[str, float]],
-                     config_path: str) -> None:
+                     config_path: str, scores: dict[str, Any] | None = None) -> None:
     """MODEL_CARD.md beside the exported weights: architecture, command, data, steps, loss curve."""
     curriculum = "; ".join(f"{c[1]} (batch {c[2] if len(c) > 2 else conf['data']['batch_size']}) until step {c[0]}"
                            for c in conf["data"].get("curriculum", []))
@@ -316,7 +396,11 @@ It is a test instrument for KV-cache eviction, not a language model.
   {conf['data']['lengths']} tokens (first {curriculum}), batch {conf['data']['batch_size']}, seeds from
   {conf['data']['seed']} (disjoint from the evaluation's), task weights {conf['data'].get('task_weights', {})}.
   After its answer, each row holds further user turns asking about the other needles of its context
-  (up to {conf['data'].get('drill_fraction', 0):.0%} of the row), so one long context yields many retrieval targets
+  (up to {conf['data'].get('drill_fraction', 0):.0%} of the row), so one long context yields many retrieval targets.
+  {conf['data'].get('copy_fraction', 0):.0%} of rows instead ask to repeat a list of random values (numbers, UUIDs,
+  keys, variable names), which grows copying (induction) heads; from step
+  {conf['data'].get('recall', {}).get('from_step', 0)}, a share of {conf['data'].get('recall', {}).get('share', 0):.0%}
+  of those list needle lines and ask for every value again, as needle lines or as the evaluation's answer sentences
 - loss: mean cross-entropy on the answer tokens + {conf['train'].get('context_weight', 0)} x mean cross-entropy on
   every other prompt token (language modelling of the prompts)
 - optimisation: AdamW, peak LR {conf['optim']['learning_rate']}, warmup {conf['optim']['warmup_fraction']:.0%},
@@ -329,9 +413,34 @@ It is a test instrument for KV-cache eviction, not a language model.
 
 ## Full-cache scores
 
-Filled in from `python -m kvjax.eval --policies none` (see `eval/` at the repository root).
+{_scores_section(scores)}
 """
     (out / "MODEL_CARD.md").write_text(text)
+
+
+def full_cache_scores(eval_dir: str | pathlib.Path) -> dict[str, Any]:
+    """Mean full-cache score per task (0-100) from an eval output folder's results.jsonl, plus its run config."""
+    folder = pathlib.Path(eval_dir)
+    per_task: dict[str, list[float]] = {}
+    for line in (folder / "results.jsonl").read_text().splitlines():
+        if line.strip() and (row := json.loads(line))["policy"] == "full":
+            per_task.setdefault(row["task"], []).append(float(row["score"]))
+    config = json.loads((folder / "run_config.json").read_text())
+    return {"tasks": {t: 100 * float(np.mean(v)) for t, v in per_task.items()},
+            "samples": {t: len(v) for t, v in per_task.items()}, "config": config}
+
+
+def _scores_section(scores: dict[str, Any] | None) -> str:
+    if not scores:
+        return "Not measured yet: run `python -m kvjax.eval` and export again with `--scores OUT_DIR`."
+    cfg = scores["config"]
+    lines = [f"From `python -m kvjax.eval` (context length {cfg['context_length']}, seed {cfg['seed']}, "
+             f"{'query-aware' if cfg['query_aware'] else 'query-agnostic'}), full cache:", "",
+             "| task | samples | score |", "|---|---|---|"]
+    lines += [f"| {t} | {scores['samples'][t]} | {v:.1f} |" for t, v in scores["tasks"].items()]
+    mean = float(np.mean(list(scores["tasks"].values())))
+    lines += [f"| **mean** | | **{mean:.1f}** |"]
+    return "\n".join(lines)
 
 
 def _shapes(cfg: ModelConfig):
@@ -347,6 +456,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, help="override optim.steps")
     ap.add_argument("--max-minutes", type=float, help="stop (with a checkpoint) after this long; rerun to resume")
     ap.add_argument("--export", help="write the trained model (HF format + tokenizer) to this folder and exit")
+    ap.add_argument("--scores", help="with --export: an eval output folder whose full-cache scores go in the model card")
     args = ap.parse_args(argv)
     conf = yaml.safe_load(pathlib.Path(args.config).read_text())
     if args.steps:
@@ -365,7 +475,7 @@ def main(argv: list[str] | None = None) -> None:
         out = save_hf(args.export, jax.device_get(state["trainable"]), cfg)
         tokenizer.save_pretrained(out)
         rows = plot_loss(pathlib.Path(args.workdir) / "log.jsonl", out / "loss_curve.png")
-        write_model_card(out, conf, cfg, rows, args.config)
+        write_model_card(out, conf, cfg, rows, args.config, full_cache_scores(args.scores) if args.scores else None)
         print(f"exported step {int(state['step'])} to {out}")
         return
     batches = TaskBatches(conf["data"], tokenizer)
