@@ -416,28 +416,44 @@ def generate_settings(
     stop_tokens: Sequence[int] | None = None,
     chat_template: bool = False,
     buckets: Sequence[int] = BUCKETS,
-) -> list[GenerateOutput]:
+    on_error: str = "raise",
+) -> list[GenerateOutput | ValueError]:
     """`generate` for one batch under several settings, sharing the model prefill between them.
 
     The prefill runs once per RoPE mode among the settings, recording the union of what their
     policies observe (the widest window, column mass if any needs it); each setting then
     compresses its own copy of that cache. Returns one output per setting, each equal to
     `generate(model, prompts, questions=questions, **vars(setting), ...)` with the same `key`.
+    on_error: "raise" (default), or "return": a setting that is invalid for these prompts (its
+    policy rejects the budget) gets its ValueError in its slot and the others still run.
     """
+    if on_error not in ("raise", "return"):
+        raise ValueError(f"on_error must be 'raise' or 'return', got {on_error!r}")
     policies = [_resolve_policy(st.policy) for st in settings]
     batch = _prepare(model, prompts, questions, max_new_tokens, temperature, top_k, top_p, stop_tokens,
                      chat_template, buckets)
-    plans = [_plan_for(model, batch, p, st.budget, st.compression_ratio) for p, st in zip(policies, settings)]
+    plans, errors = [], {}
+    for j, (p, st) in enumerate(zip(policies, settings)):
+        try:
+            plans.append(_plan_for(model, batch, p, st.budget, st.compression_ratio))
+        except ValueError as err:  # e.g. a budget below what the policy protects, for these prompts
+            if on_error == "raise":
+                raise
+            plans.append(None)
+            errors[j] = err
     key = jax.random.PRNGKey(0) if key is None else key
     k_prefill, k_rest = jax.random.split(key)
     data = _batch_put(model.mesh, *_pad(batch.rows, batch.bucket, batch.pad_id), batch.lengths)
     capacity = batch.bucket + batch.room
     prefilled = {}
     outputs = []
-    for policy, plan in zip(policies, plans):
+    for j, (policy, plan) in enumerate(zip(policies, plans)):
+        if j in errors:
+            outputs.append(errors[j])
+            continue
         mode = _rope_mode(policy)
         if mode not in prefilled:
-            group = [p for p in policies if _rope_mode(p) == mode and p is not None]
+            group = [p for j, p in enumerate(policies) if _rope_mode(p) == mode and p is not None and j not in errors]
             observe = Observe(window=max([p.requirements().window for p in group], default=0),
                               column_mass=any(p.requirements().column_mass for p in group))
             first, cache, observations, _ = _prefill(model.params, *data, k_prefill, cfg=model.config,

@@ -82,13 +82,15 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
         return _outputs(out, samples, contexts, questions)
 
     def many(samples: list[dict[str, Any]], *, settings, query_aware: bool) -> list[list[dict[str, Any]]]:
-        """All `settings` (runner Settings) on one batch, sharing the model prefill."""
+        """All `settings` (runner Settings) on one batch, sharing the model prefill. A setting the
+        policy rejects for these prompts (e.g. a budget below its protected window) gets the error."""
         from kvjax.engine import Setting, generate_settings
 
         contexts, questions, kw = _inputs(samples, query_aware)
         outs = generate_settings(model, kw.pop("prompts"),
-                                 [Setting(st.policy, st.budget, st.compression_ratio) for st in settings], **kw)
-        return [_outputs(out, samples, contexts, questions) for out in outs]
+                                 [Setting(st.policy, st.budget, st.compression_ratio) for st in settings],
+                                 on_error="return", **kw)
+        return [out if isinstance(out, Exception) else _outputs(out, samples, contexts, questions) for out in outs]
 
     generate_fn.many = many
     return generate_fn

@@ -28,9 +28,12 @@ def summarize(rows: Sequence[dict[str, Any]], tasks: Sequence[str],
             group = groups.get((st.policy_name, st.label, task))
             if not group:
                 continue
+            errors = [r["error"] for r in group if r.get("score") is None and r.get("error")]
+            group = [r for r in group if r.get("score") is not None]
             rec = {"policy": st.policy_name, "setting": st.label, "compression_ratio": st.compression_ratio,
                    "budget": st.budget, "task": task,
-                   "score": round(100 * sum(r["score"] for r in group) / len(group), 2), "n": len(group),
+                   "score": round(100 * sum(r["score"] for r in group) / len(group), 2) if group else None,
+                   "n": len(group),
                    "nulls": sum(1 for r in group if r.get("prediction") is not None and not r["prediction"].strip())}
             extras = defaultdict(list)
             for r in group:
@@ -40,6 +43,8 @@ def summarize(rows: Sequence[dict[str, Any]], tasks: Sequence[str],
             for k, vals in extras.items():
                 mean = sum(vals) / len(vals)
                 rec[k] = round(mean, 4) if math.isfinite(mean) else mean
+            if errors:
+                rec["error"] = errors[0]
             out.append(rec)
     return out
 
@@ -53,10 +58,11 @@ def wide_table(summary: Sequence[dict[str, Any]], tasks: Sequence[str],
     body = []
     for st in settings:
         cells = [score.get((st.policy_name, st.label, t)) for t in tasks]
-        vals = [score[(st.policy_name, st.label, t)] for t in scored if (st.policy_name, st.label, t) in score]
-        if all(c is None for c in cells):
+        vals = [score.get((st.policy_name, st.label, t)) for t in scored if (st.policy_name, st.label, t) in score]
+        if not any((st.policy_name, st.label, t) in score for t in tasks):
             continue
-        body.append([st.policy_name, st.label, *cells, round(sum(vals) / len(vals), 2) if vals else None])
+        avg = round(sum(vals) / len(vals), 2) if vals and None not in vals else None  # no average over a part
+        body.append([st.policy_name, st.label, *cells, avg])
     return header, body
 
 
@@ -135,7 +141,7 @@ def niah_matrices(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per setting ("policy setting"): lengths, depths and the depth x length matrix of mean scores x 100."""
     cells: dict[str, dict[tuple[int, float], list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in rows:
-        if "grid" in r:
+        if "grid" in r and r.get("score") is not None:
             cells[f"{r['policy']} {r['setting']}"][(r["grid"]["length"], r["grid"]["depth"])].append(r["score"])
     out = {}
     for name, grid in cells.items():
@@ -200,6 +206,10 @@ def write_reports(out_dir: str | pathlib.Path, rows: Sequence[dict[str, Any]], t
         md += [f"![{p.stem}](niah_heatmaps/{p.name})"]
     if skipped:
         md += ["", "## Skipped tasks", ""] + [f"- **{t}**: {why}" for t, why in skipped.items()]
+    not_run = {(s["policy"], s["setting"]): s["error"] for s in summary if s.get("error")}
+    if not_run:
+        md += ["", "## Settings not run (shown as -)", ""]
+        md += [f"- **{p} {label}**: {why}" for (p, label), why in not_run.items()]
     (out / "results.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     if echo:
         print(text_table(header, body) if body else "(no results)")

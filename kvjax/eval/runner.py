@@ -10,7 +10,9 @@ The model is reached only through two injected callables, so that tests use fake
   answer per sample, a string or a dict with ``text`` and optional statistics (kept entries,
   cache bytes, ...), stored under ``stats``. When it has a ``many(samples, *, settings,
   query_aware) -> list[list]`` attribute (one answer list per setting), the runner calls that
-  once per batch for all pending settings, so a model can share work between them;
+  once per batch for all pending settings, so a model can share work between them; a setting's
+  entry may instead be an exception (the setting cannot run on these prompts, e.g. a budget below
+  the policy's protected window): its rows are stored with ``score`` None and the ``error``;
 * ``logits_fn(samples, *, policy, compression_ratio, budget) -> list[np.ndarray]`` for the
   fidelity task: per sample, the logits ``[T, V]`` predicting each continuation token after the
   context was (or was not, with ``policy=None``) compressed.
@@ -216,6 +218,13 @@ def _run_generation(task: str, batch: list[dict[str, Any]], settings: Sequence[S
         if len(answers) != len(pending):
             raise ValueError(f"generate_fn.many returned {len(answers)} answer lists for {len(pending)} settings")
         for st, outs in zip(pending, answers):
+            if isinstance(outs, Exception):  # the setting cannot run on these prompts: recorded, not scored
+                warnings.warn(f"{task} {st.policy_name} {st.label}: not run ({outs})")
+                store.add([{**_base_row(task, st, s, query_aware), "prediction": None, "answers": s["answers"],
+                            "score": None, "metrics": {}, "stats": {}, "seconds": 0.0, "error": str(outs)}
+                           for s in pending[st]])
+                bar.update(len(pending[st]))
+                continue
             by_id = dict(zip((s["id"] for s in union), _checked(outs, union)))
             _store_answers(task, st, pending[st], [by_id[s["id"]] for s in pending[st]], store, metric,
                            query_aware, seconds, bar)

@@ -203,3 +203,30 @@ def test_niah_heatmap_matrix(tmp_path):
     write_reports(tmp_path, rows, ["niah_grid"], [Setting(None)], echo=False)
     assert (tmp_path / "niah_heatmaps" / "full_full.png").is_file()
     assert json.loads((tmp_path / "niah_grid.json").read_text())["full full"]["mean"] == 62.5
+
+
+def test_a_setting_that_cannot_run_is_recorded_not_scored(tmp_path):
+    """A batched generate_fn may answer a setting with an exception (a budget below the policy's
+    protected window): its rows keep score None and the reason, the report shows '-' and says why."""
+
+    class Refusing(FakeGenerateMany):
+        def many(self, samples, *, settings, query_aware):
+            outs = super().many(samples, settings=settings, query_aware=query_aware)
+            return [ValueError("budget=3 is smaller than the window=8") if st.compression_ratio == 0.5 else o
+                    for st, o in zip(settings, outs)]
+
+    samples = {"niah_single_1": _samples("niah_single_1", 4)}
+    settings = make_settings(["snap"], [0.25, 0.5])
+    with pytest.warns(UserWarning, match="not run"):
+        rows = run(samples, settings, tmp_path, metrics={"niah_single_1": "string_match_all"},
+                   generate_fn=Refusing(), progress=False)
+    bad = [r for r in rows if r["setting"] == "r=0.5"]
+    assert len(bad) == 4 and all(r["score"] is None and "window=8" in r["error"] for r in bad)
+    again = Refusing()
+    run(samples, settings, tmp_path, metrics={"niah_single_1": "string_match_all"}, generate_fn=again,
+        progress=False)
+    assert again.many_calls == []  # recorded rows count as finished
+    out = write_reports(tmp_path, rows, ["niah_single_1"], settings, echo=False)
+    table = {(r[0], r[1]): r[2:] for r in out["rows"]}
+    assert table[("snap", "r=0.5")] == [None, None] and table[("snap", "r=0.25")][0] == 75.0
+    assert "window=8" in (tmp_path / "results.md").read_text()
