@@ -130,6 +130,9 @@ class TaskBatches:
         self.copy_fraction = float(data.get("copy_fraction", 0.0))
         recall = data.get("recall", {})  # {from_step, share}: copy rows that become `_recall_row`s
         self.recall_from, self.recall_share = int(recall.get("from_step", 0)), float(recall.get("share", 0.0))
+        # {from_step, fraction}: of the remaining (task) rows, this fraction become recall rows too
+        more = data.get("more_recall", {})
+        self.recall_more_from, self.recall_more = int(more.get("from_step", 0)), float(more.get("fraction", 0.0))
         self.batch_size = int(data["batch_size"])
         self.seed = int(data["seed"])
         self.tokenizer = tokenizer
@@ -200,6 +203,8 @@ class TaskBatches:
             if step >= self.recall_from and rng.random() < self.recall_share:
                 return self._recall_row(length, index)
             return self._copy_row(length, index)
+        if step >= self.recall_more_from and rng.random() < self.recall_more:
+            return self._recall_row(length, index)
         reserve = int(length * rng.uniform(0.0, self.drill_fraction))
         # the generators keep the task's whole generation cap free; a training row needs only ANSWER_ROOM of it
         slack = max(0, MAX_NEW_TOKENS["vt" if task == "vt" else "niah"] - ANSWER_ROOM)
@@ -400,7 +405,9 @@ It is a test instrument for KV-cache eviction, not a language model.
   {conf['data'].get('copy_fraction', 0):.0%} of rows instead ask to repeat a list of random values (numbers, UUIDs,
   keys, variable names), which grows copying (induction) heads; from step
   {conf['data'].get('recall', {}).get('from_step', 0)}, a share of {conf['data'].get('recall', {}).get('share', 0):.0%}
-  of those list needle lines and ask for every value again, as needle lines or as the evaluation's answer sentences
+  of those list needle lines and ask for every value again, as needle lines or as the evaluation's answer sentences;
+  from step {conf['data'].get('more_recall', {}).get('from_step', 0)}, a further
+  {conf['data'].get('more_recall', {}).get('fraction', 0):.0%} of the task rows are such recall rows
 - loss: mean cross-entropy on the answer tokens + {conf['train'].get('context_weight', 0)} x mean cross-entropy on
   every other prompt token (language modelling of the prompts)
 - optimisation: AdamW, peak LR {conf['optim']['learning_rate']}, warmup {conf['optim']['warmup_fraction']:.0%},
