@@ -270,7 +270,16 @@ def _run_fidelity(task: str, batch: list[dict[str, Any]], settings: Sequence[Set
     for st in todo:
         bar.set_postfix_str(f"{task} {st.policy_name} {st.label}")
         start = time.perf_counter()
-        comp = full if st.policy is None else logits_fn(batch, **st.kwargs())
+        try:
+            comp = full if st.policy is None else logits_fn(batch, **st.kwargs())
+        except ValueError as err:  # the full-cache call ran, so this is the setting (e.g. budget < window)
+            warnings.warn(f"{task} {st.policy_name} {st.label}: not run ({err})")
+            rows = [{**_base_row(task, st, s, query_aware), "prediction": None, "answers": [], "score": None,
+                     "metrics": {}, "stats": {}, "seconds": 0.0, "error": str(err)}
+                    for s in batch if row_key(task, st.policy_name, st.label, s["id"]) not in store]
+            store.add(rows)
+            bar.update(len(rows))
+            continue
         seconds = (time.perf_counter() - start) / len(batch)
         rows = []
         for sample, f, c in zip(batch, full, comp):

@@ -144,6 +144,17 @@ def test_fidelity_path_computes_full_logits_once_per_batch(tmp_path):
     comp = [r for r in rows if r["policy"] == "snap"]
     assert comp[0]["score"] == 0.5 and comp[0]["metrics"]["kl"] == pytest.approx(0.25 * np.log(4 / 3))
     assert [r["score"] for r in rows if r["policy"] == "full"] == [1.0, 1.0, 1.0]
+    # a setting whose policy refuses the budget is recorded with the reason; the others still run
+    def refusing(batch, *, policy, compression_ratio, budget):
+        if compression_ratio == 0.875:
+            raise ValueError("budget=4 is smaller than the window=8")
+        return logits_fn(batch, policy=policy, compression_ratio=compression_ratio, budget=budget)
+
+    with pytest.warns(UserWarning, match="not run"):
+        more = run({"fidelity": samples}, make_settings(["snap"], [0.5, 0.875]), tmp_path,
+                   metrics={"fidelity": "fidelity"}, logits_fn=refusing, batch_size=3, progress=False)
+    assert [r["error"] for r in more if r["setting"] == "r=0.875"] == ["budget=4 is smaller than the window=8"] * 3
+    assert all(r["score"] is None for r in more if r["setting"] == "r=0.875")
 
 
 def test_prompt_split_query_agnostic_and_aware(tok):
