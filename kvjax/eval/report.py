@@ -66,8 +66,23 @@ def wide_table(summary: Sequence[dict[str, Any]], tasks: Sequence[str],
     return header, body
 
 
+def pivot_table(summary: Sequence[dict[str, Any]], task: str, key: str,
+                settings: Sequence[Setting]) -> tuple[list[str], list[list[Any]]]:
+    """One row per policy, one column per ratio / budget: the summary's `key` for `task` (e.g. fidelity KL)."""
+    value = {(s["policy"], s["setting"]): s.get(key) for s in summary if s["task"] == task}
+    labels = list(dict.fromkeys(st.label for st in settings if st.policy is not None))
+    policies = list(dict.fromkeys(st.policy_name for st in settings if st.policy is not None))
+    body = [[p, *[value.get((p, lb)) for lb in labels]] for p in policies
+            if any((p, lb) in value for lb in labels)]
+    return ["policy", *labels], body
+
+
 def _cell(v: Any) -> str:
-    return "-" if v is None else (f"{v:.2f}" if isinstance(v, float) else str(v))
+    if v is None:
+        return "-"
+    if isinstance(v, float):  # small values (KL divergences) keep their significant digits
+        return f"{v:.2f}" if v == 0 or abs(v) >= 1 else f"{v:.3g}"
+    return str(v)
 
 
 def text_table(header: Sequence[str], body: Sequence[Sequence[Any]]) -> str:
@@ -79,7 +94,12 @@ def text_table(header: Sequence[str], body: Sequence[Sequence[Any]]) -> str:
 
 
 def markdown_table(header: Sequence[str], body: Sequence[Sequence[Any]]) -> str:
-    rule = "|".join("---" if j < 2 else "---:" for j in range(len(header)))
+    return _markdown(header, body, first=2)
+
+
+def _markdown(header: Sequence[str], body: Sequence[Sequence[Any]], first: int) -> str:
+    """Markdown table whose first `first` columns are labels (left-aligned), the rest numbers."""
+    rule = "|".join("---" if j < first else "---:" for j in range(len(header)))
     lines = ["| " + " | ".join(header) + " |", "|" + rule + "|"]
     lines += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in body]
     return "\n".join(lines)
@@ -204,6 +224,11 @@ def write_reports(out_dir: str | pathlib.Path, rows: Sequence[dict[str, Any]], t
         md += ["![score vs compression](score_vs_compression.png)", ""]
     for p in heatmaps:
         md += [f"![{p.stem}](niah_heatmaps/{p.name})"]
+    if "fidelity" in ran:
+        for key, what in (("kl", "next-token KL(full || compressed), nats (lower is better)"),
+                          ("score", "top-1 agreement with the full cache, % (higher is better)")):
+            head, rows_ = pivot_table(summary, "fidelity", key, settings)
+            md += ["", f"## Fidelity: {what}", "", _markdown(head, rows_, first=1)]
     if skipped:
         md += ["", "## Skipped tasks", ""] + [f"- **{t}**: {why}" for t, why in skipped.items()]
     not_run = {(s["policy"], s["setting"]): s["error"] for s in summary if s.get("error")}

@@ -155,6 +155,10 @@ def test_fidelity_path_computes_full_logits_once_per_batch(tmp_path):
                    metrics={"fidelity": "fidelity"}, logits_fn=refusing, batch_size=3, progress=False)
     assert [r["error"] for r in more if r["setting"] == "r=0.875"] == ["budget=4 is smaller than the window=8"] * 3
     assert all(r["score"] is None for r in more if r["setting"] == "r=0.875")
+    write_reports(tmp_path, more, ["fidelity"], make_settings(["snap"], [0.5, 0.875]), echo=False)
+    md = (tmp_path / "results.md").read_text()
+    kl = f"{0.25 * np.log(4 / 3):.3g}"
+    assert "## Fidelity: next-token KL" in md and f"| snap | {kl} | - |" in md
 
 
 def test_prompt_split_query_agnostic_and_aware(tok):
