@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--config", help="YAML config file, or a name in configs/ (eval_NAME.yaml)")
     a("--model", help="'bundled' (the small model shipped in kvjax), a local folder, or a Hub id (default: bundled)")
     a("--tasks", nargs="+", metavar="TASK", help="task or suite names, space or comma separated (default: default)")
-    a("--policies", nargs="+", metavar="POLICY", help="policy names, or 'all' (default: all registered policies)")
+    a("--policies", nargs="+", metavar="POLICY", help="policy names, 'all' (default: all registered policies), or 'none' (the full cache only)")
     a("--compression-ratios", nargs="+", metavar="R",
       help="fractions of the prompt's KV entries removed, in [0, 1) (default: 0.25 0.5 0.75 0.875)")
     a("--budgets", nargs="+", metavar="C", help="absolute budgets, entries kept per KV head (replaces the default "
@@ -190,12 +190,14 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         parser.error(str(err))
     valid = available_policies() if policies is None else sorted(policies)
     names = list(cfg["policies"] or [])
+    if names == ["none"]:  # the full-cache baseline alone
+        names = []
     if "all" in names:
         names = [n for n in names if n != "all"] + [v for v in valid if v not in names]
     unknown = [n for n in names if n not in valid]
     if unknown:
         parser.error(f"unknown policy(ies) {', '.join(map(repr, unknown))}. Valid policies: "
-                     f"{', '.join(valid) if valid else '(none registered)'}; or 'all'")
+                     f"{', '.join(valid) if valid else '(none registered)'}; or 'all', or 'none'")
     cfg["policies"] = names
     for r in cfg["compression_ratios"]:
         if not 0.0 <= float(r) < 1.0:

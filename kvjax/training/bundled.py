@@ -241,7 +241,7 @@ class TaskBatches:
         head = self.tokenizer.apply_chat_template(
             [{"role": "user", "content": COPY_INSTRUCTION + "\x00"}], tokenize=False, add_generation_prompt=True)
         before, after = (self.tokenizer.encode(t, add_special_tokens=False) for t in head.split("\x00"))
-        span = (length - len(before) - len(after) - 1) // 2
+        span = min((length - len(before) - len(after) - 1) // 2, MAX_TARGETS - 1)
         items: list[str] = []
         while len(self.tokenizer.encode(" ".join(items), add_special_tokens=False)) < span:
             kind = rng.choice(kinds)
@@ -288,7 +288,7 @@ class TaskBatches:
                 continue
             candidate = facts + [(key, random_value("numbers", rng, words))]
             ctx, reply = render(candidate)
-            if len(before) + len(ctx) + len(after) + len(reply) + 1 > length:
+            if len(before) + len(ctx) + len(after) + len(reply) + 1 > length or len(reply) + 1 > MAX_TARGETS:
                 break
             facts = candidate
         ctx, reply = render(facts)
@@ -355,14 +355,16 @@ def lm_loss(params, frozen, batch, *, cfg: ModelConfig, context_weight: float = 
                                                         "context_loss": context_nll}
 
 
-def plot_loss(log_path: pathlib.Path, out_png: pathlib.Path) -> list[dict[str, float]]:
-    """Plots loss and answer-token accuracy against step from a `log.jsonl`; returns its rows."""
+def plot_loss(logs: list[tuple[pathlib.Path, int]], out_png: pathlib.Path) -> list[dict[str, float]]:
+    """Plots loss and answer-token accuracy against step from `log.jsonl` files, each with the step
+    its run started from (phases of one training, in order); returns the rows, steps offset."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in log_path.read_text().splitlines() if line.strip()]
+    rows = [{**row, "step": row["step"] + offset} for path, offset in logs
+            for row in map(json.loads, filter(str.strip, path.read_text().splitlines()))]
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(steps, [r.get("answer_loss", r["loss"]) for r in rows], label="answer loss")
@@ -381,7 +383,8 @@ def plot_loss(log_path: pathlib.Path, out_png: pathlib.Path) -> list[dict[str, f
 
 
 def write_model_card(out: pathlib.Path, conf: dict[str, Any], cfg: ModelConfig, rows: list[dict[str, float]],
-                     config_path: str, scores: dict[str, Any] | None = None) -> None:
+                     config_path: str, scores: dict[str, Any] | None = None,
+                     earlier: dict[str, Any] | None = None) -> None:
     """MODEL_CARD.md beside the exported weights: architecture, command, data, steps, loss curve."""
     curriculum = "; ".join(f"{c[1]} (batch {c[2] if len(c) > 2 else conf['data']['batch_size']}) until step {c[0]}"
                            for c in conf["data"].get("curriculum", []))
@@ -413,8 +416,7 @@ It is a test instrument for KV-cache eviction, not a language model.
 - optimisation: AdamW, peak LR {conf['optim']['learning_rate']}, warmup {conf['optim']['warmup_fraction']:.0%},
   cosine decay, clip {conf['optim']['clip_norm']}; {last.get('step', 0)} steps
 - final answer loss {last.get('answer_loss', last.get('loss', float('nan'))):.4f}, answer-token accuracy {last.get('answer_token_accuracy', float('nan')):.3f}
-- reproduce: `python -m kvjax.training.bundled --config {config_path} --workdir runs/bundled` (resumes
-  when re-run), then `--export kvjax/assets/model`
+- reproduce: {_reproduce(config_path, earlier)}
 
 ![loss curve](loss_curve.png)
 
@@ -423,6 +425,16 @@ It is a test instrument for KV-cache eviction, not a language model.
 {_scores_section(scores)}
 """
     (out / "MODEL_CARD.md").write_text(text)
+
+
+def _reproduce(config_path: str, earlier: dict[str, Any] | None) -> str:
+    cmd = "python -m kvjax.training.bundled"
+    if not earlier:
+        return (f"`{cmd} --config {config_path} --workdir runs/bundled` (resumes when re-run), then the same "
+                "command with `--export kvjax/assets/model`")
+    return (f"`{cmd} --config {earlier['config']} --workdir runs/bundled` ({earlier['step']} steps), then "
+            f"`{cmd} --config {config_path} --workdir runs/bundled_2 --init-from runs/bundled` (each resumes when "
+            "re-run), then the second command with `--export kvjax/assets/model`; the loss curve shows both phases")
 
 
 def full_cache_scores(eval_dir: str | pathlib.Path) -> dict[str, Any]:
@@ -450,6 +462,16 @@ def _scores_section(scores: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
+def _restore(workdir: pathlib.Path, params, optim: OptimConfig) -> dict[str, Any]:
+    """The latest training state in `workdir/checkpoints` (params shaped like `params`)."""
+    from kvjax.checkpoint import Checkpointer
+    from kvjax.training.loop import make_optimizer
+
+    ckpt = Checkpointer(workdir / "checkpoints")
+    like = {"trainable": params, "opt_state": make_optimizer(optim).init(params), "step": jnp.int32(0)}
+    return ckpt.restore(like)
+
+
 def _shapes(cfg: ModelConfig):
     from kvjax.models.loading import param_shapes
 
@@ -464,6 +486,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-minutes", type=float, help="stop (with a checkpoint) after this long; rerun to resume")
     ap.add_argument("--export", help="write the trained model (HF format + tokenizer) to this folder and exit")
     ap.add_argument("--scores", help="with --export: an eval output folder whose full-cache scores go in the model card")
+    ap.add_argument("--init-from", help="start from the final weights of this earlier run's workdir (a second phase)")
+    ap.add_argument("--init-from-config", default="configs/bundled_model.yaml", help="the config of --init-from's run")
     args = ap.parse_args(argv)
     conf = yaml.safe_load(pathlib.Path(args.config).read_text())
     if args.steps:
@@ -472,23 +496,34 @@ def main(argv: list[str] | None = None) -> None:
     cfg = model_config(conf["model"], tokenizer)
     params = init_params(cfg, jax.random.PRNGKey(conf["train"].get("init_seed", 0)))
     optim = OptimConfig(**conf["optim"])
+    workdir = pathlib.Path(args.workdir)
+    earlier = json.loads((workdir / "init_from.json").read_text()) if (workdir / "init_from.json").exists() else None
     if args.export:
-        from kvjax.checkpoint import Checkpointer
-        from kvjax.training.loop import make_optimizer
-
-        ckpt = Checkpointer(pathlib.Path(args.workdir) / "checkpoints")
-        like = {"trainable": params, "opt_state": make_optimizer(optim).init(params), "step": jnp.int32(0)}
-        state = ckpt.restore(like)
+        state = _restore(workdir, params, optim)
         out = save_hf(args.export, jax.device_get(state["trainable"]), cfg)
         tokenizer.save_pretrained(out)
-        rows = plot_loss(pathlib.Path(args.workdir) / "log.jsonl", out / "loss_curve.png")
-        write_model_card(out, conf, cfg, rows, args.config, full_cache_scores(args.scores) if args.scores else None)
+        logs = ([(pathlib.Path(earlier["workdir"]) / "log.jsonl", 0)] if earlier else []) + \
+            [(workdir / "log.jsonl", earlier["step"] if earlier else 0)]
+        rows = plot_loss(logs, out / "loss_curve.png")
+        write_model_card(out, conf, cfg, rows, args.config, full_cache_scores(args.scores) if args.scores else None,
+                         earlier=earlier)
         print(f"exported step {int(state['step'])} to {out}")
         return
+    if args.init_from and not (workdir / "checkpoints").exists():
+        # a second phase: the final weights of an earlier run, a fresh optimizer and schedule
+        first = yaml.safe_load(pathlib.Path(args.init_from_config).read_text())
+        state = _restore(pathlib.Path(args.init_from), params, OptimConfig(**first["optim"]))
+        if int(state["step"]) != int(first["optim"]["steps"]):
+            raise ValueError(f"--init-from {args.init_from} stopped at step {int(state['step'])}, not at the "
+                             f"{first['optim']['steps']} steps of {args.init_from_config}: finish that run first")
+        params = state["trainable"]
+        workdir.mkdir(parents=True, exist_ok=True)
+        (workdir / "init_from.json").write_text(json.dumps(
+            {"workdir": str(args.init_from), "config": args.init_from_config, "step": int(state["step"])}))
     batches = TaskBatches(conf["data"], tokenizer)
     loss = functools.partial(lm_loss, cfg=cfg, context_weight=float(conf["train"].get("context_weight", 0.0)))
-    pathlib.Path(args.workdir).mkdir(parents=True, exist_ok=True)
-    (pathlib.Path(args.workdir) / "config.json").write_text(json.dumps(conf, indent=2))
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "config.json").write_text(json.dumps(conf, indent=2))
     _, steps = train(loss, params, None, batches, optim, args.workdir,
                      checkpoint_every=conf["train"]["checkpoint_every"], log_every=conf["train"]["log_every"],
                      max_seconds=None if args.max_minutes is None else args.max_minutes * 60)

@@ -32,6 +32,11 @@ def test_no_arguments_means_every_policy_at_four_ratios_on_the_default_suite():
     assert cfg["out"] == str(pathlib.Path("out/eval/bundled_L1024_query-agnostic_seed42"))
 
 
+def test_policies_none_is_the_full_cache_alone():
+    assert _resolve(["--policies", "none"])["policies"] == []
+    assert _resolve(["--policies", "all"])["policies"] == POLICIES
+
+
 def test_help_documents_every_option():
     result = subprocess.run([sys.executable, "-m", "kvjax.eval", "--help"], capture_output=True, text=True,
                             cwd=REPO, timeout=120)
