@@ -151,3 +151,33 @@ def test_copy_and_recall_rows(batches, tokenizer):
         said = tokenizer.decode(ids[targets[0]: -1])
         stated = re.findall(r"for (\S+)(?: mentioned in the provided text)? is:? (\d+)\.", said)
         assert len(facts) >= 4 and sorted(stated) == sorted(facts.items())
+
+
+@pytest.mark.slow
+def test_two_phase_training_resumes_exports_and_refuses_an_unfinished_first_phase(tmp_path):
+    import yaml
+
+    conf = {"model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
+                      "num_kv_heads": 1, "head_dim": 16, "max_position_embeddings": 512, "rope_theta": 10000.0,
+                      "tie_embeddings": True},
+            "data": {**DATA, "lengths": [256], "curriculum": [], "batch_size": 2},
+            "optim": {"steps": 2, "learning_rate": 1e-3},
+            "train": {"checkpoint_every": 1, "log_every": 1, "context_weight": 0.5}}
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text(yaml.safe_dump(conf))
+    second.write_text(yaml.safe_dump({**conf, "optim": {"steps": 3, "learning_rate": 1e-3}}))
+    a, b = tmp_path / "a", tmp_path / "b"
+    bundled.main(["--config", str(first), "--workdir", str(a), "--max-minutes", "0"])  # interrupted after 1 step
+    with pytest.raises(ValueError, match="finish that run first"):
+        bundled.main(["--config", str(second), "--workdir", str(b), "--init-from", str(a),
+                      "--init-from-config", str(first)])
+    bundled.main(["--config", str(first), "--workdir", str(a)])  # resumes to its 2 steps
+    bundled.main(["--config", str(second), "--workdir", str(b), "--init-from", str(a), "--init-from-config", str(first)])
+    out = tmp_path / "model"
+    bundled.main(["--config", str(second), "--workdir", str(b), "--export", str(out)])
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "--init-from runs/bundled" in card and str(first) in card and (out / "loss_curve.png").is_file()
+    import kvjax
+
+    model = kvjax.load_model(out)
+    assert model.config.num_layers == 1 and model.tokenizer is not None

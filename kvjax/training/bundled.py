@@ -386,6 +386,7 @@ def write_model_card(out: pathlib.Path, conf: dict[str, Any], cfg: ModelConfig, 
                      config_path: str, scores: dict[str, Any] | None = None,
                      earlier: dict[str, Any] | None = None) -> None:
     """MODEL_CARD.md beside the exported weights: architecture, command, data, steps, loss curve."""
+    optim = OptimConfig(**conf["optim"])
     curriculum = "; ".join(f"{c[1]} (batch {c[2] if len(c) > 2 else conf['data']['batch_size']}) until step {c[0]}"
                            for c in conf["data"].get("curriculum", []))
     n_params = sum(int(np.prod(s)) for s in jax.tree.leaves(_shapes(cfg), is_leaf=lambda x: isinstance(x, tuple)))
@@ -413,8 +414,8 @@ It is a test instrument for KV-cache eviction, not a language model.
   {conf['data'].get('more_recall', {}).get('fraction', 0):.0%} of the task rows are such recall rows
 - loss: mean cross-entropy on the answer tokens + {conf['train'].get('context_weight', 0)} x mean cross-entropy on
   every other prompt token (language modelling of the prompts)
-- optimisation: AdamW, peak LR {conf['optim']['learning_rate']}, warmup {conf['optim']['warmup_fraction']:.0%},
-  cosine decay, clip {conf['optim']['clip_norm']}; {last.get('step', 0)} steps
+- optimisation: AdamW, peak LR {optim.learning_rate}, warmup {optim.warmup_fraction:.0%}, cosine decay to
+  {optim.final_fraction:.0%}, weight decay {optim.weight_decay}, clip {optim.clip_norm}; {last.get('step', 0)} steps
 - final answer loss {last.get('answer_loss', last.get('loss', float('nan'))):.4f}, answer-token accuracy {last.get('answer_token_accuracy', float('nan')):.3f}
 - reproduce: {_reproduce(config_path, earlier)}
 
