@@ -225,6 +225,15 @@ class TaskBatches:
             ids += reply
         return ids, targets
 
+    def _user_turn(self, instruction: str) -> tuple[list[int], list[int]]:
+        """Token ids of a chat user turn opening with `instruction`, before and after its content,
+        through the assistant header."""
+        head = self.tokenizer.apply_chat_template(
+            [{"role": "user", "content": instruction + "\x00"}], tokenize=False, add_generation_prompt=True)
+        before, after = head.split("\x00")
+        return (self.tokenizer.encode(before, add_special_tokens=False),
+                self.tokenizer.encode(after, add_special_tokens=False))
+
     def _copy_row(self, length: int, index: int) -> tuple[list[int], list[int]]:
         """A user turn asking to repeat a list of random items, answered with that list.
 
@@ -238,9 +247,7 @@ class TaskBatches:
         rng = random.Random(self.seed * 7_000_003 + index)
         words = key_words()
         kinds = ("numbers", "uuids", "words", "names")
-        head = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": COPY_INSTRUCTION + "\x00"}], tokenize=False, add_generation_prompt=True)
-        before, after = (self.tokenizer.encode(t, add_special_tokens=False) for t in head.split("\x00"))
+        before, after = self._user_turn(COPY_INSTRUCTION)
         span = min((length - len(before) - len(after) - 1) // 2, MAX_TARGETS - 1)
         items: list[str] = []
         while len(self.tokenizer.encode(" ".join(items), add_special_tokens=False)) < span:
@@ -265,9 +272,7 @@ class TaskBatches:
         rng = random.Random(self.seed * 5_000_011 + index)
         words = key_words()
         answer_style = rng.random() < 0.5
-        head = self.tokenizer.apply_chat_template(
-            [{"role": "user", "content": RECALL_INSTRUCTION + "\x00"}], tokenize=False, add_generation_prompt=True)
-        before, after = (self.tokenizer.encode(t, add_special_tokens=False) for t in head.split("\x00"))
+        before, after = self._user_turn(RECALL_INSTRUCTION)
         order = random.Random(index)
 
         def render(facts: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
