@@ -153,6 +153,28 @@ def test_copy_and_recall_rows(batches, tokenizer):
         assert len(facts) >= 4 and sorted(stated) == sorted(facts.items())
 
 
+def test_recall_rows_with_uuids(tokenizer):
+    """`recall.uuids`: those rows state UUID values (word or UUID keys), and a row's reply still
+    gives every fact of its context exactly once; rows of configs without it are unchanged."""
+    plain = bundled.TaskBatches(DATA, tokenizer)
+    mixed = bundled.TaskBatches({**DATA, "recall": {"share": 1.0, "uuids": 0.5}}, tokenizer)
+    uuid = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[0-9a-f]{4}-[0-9a-f]{12}"
+    kinds = set()
+    for index in range(12):
+        ids, targets = mixed._recall_row(512, index)
+        context, said = tokenizer.decode(ids[: targets[0]]), tokenizer.decode(ids[targets[0]: -1])
+        facts = dict((k, v) for _, k, v in bundled.NEEDLE.findall(context))
+        stated = re.findall(r"for (\S+)(?: mentioned in the provided text)? is:? (\S+)\.", said)
+        assert len(facts) >= 2 and sorted(stated) == sorted(facts.items())
+        if all(re.fullmatch(uuid, v) for v in facts.values()):
+            kinds.add("uuid keys" if all(re.fullmatch(uuid, k) for k in facts) else "word keys")
+        else:
+            assert all(v.isdigit() for v in facts.values())
+            kinds.add("numbers")
+            assert (ids, targets) == plain._recall_row(512, index)
+    assert kinds == {"uuid keys", "word keys", "numbers"}
+
+
 @pytest.mark.slow
 def test_two_phase_training_resumes_exports_and_refuses_an_unfinished_first_phase(tmp_path):
     import yaml

@@ -56,6 +56,20 @@ def test_interrupted_run_resumes_to_the_same_params(tmp_path):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-6, atol=1e-7)
 
 
+def test_resume_logs_each_step_once(tmp_path):
+    """A run killed after logging steps past its last checkpoint redoes them; the log keeps one row each."""
+    import json
+    import shutil
+
+    params = init_params(CFG, jax.random.PRNGKey(0))
+    optim = OptimConfig(steps=6, learning_rate=1e-2)
+    train(_loss, params, None, _batches, optim, tmp_path, checkpoint_every=2, log_every=1)
+    shutil.rmtree(tmp_path / "checkpoints" / "6")  # as if killed after logging steps 5 and 6
+    train(_loss, params, None, _batches, optim, tmp_path, checkpoint_every=2, log_every=1)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5, 6]
+
+
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     params = init_params(CFG, jax.random.PRNGKey(0))
     optim = OptimConfig(steps=2)

@@ -128,8 +128,9 @@ class TaskBatches:
                            for c in data.get("curriculum", [])]
         self.drill_fraction = float(data.get("drill_fraction", 0.0))
         self.copy_fraction = float(data.get("copy_fraction", 0.0))
-        recall = data.get("recall", {})  # {from_step, share}: copy rows that become `_recall_row`s
+        recall = data.get("recall", {})  # {from_step, share, uuids}: copy rows that become `_recall_row`s
         self.recall_from, self.recall_share = int(recall.get("from_step", 0)), float(recall.get("share", 0.0))
+        self.recall_uuids = float(recall.get("uuids", 0.0))  # share of recall rows with UUID values (and keys)
         # {from_step, fraction}: of the remaining (task) rows, this fraction become recall rows too
         more = data.get("more_recall", {})
         self.recall_more_from, self.recall_more = int(more.get("from_step", 0)), float(more.get("fraction", 0.0))
@@ -264,7 +265,8 @@ class TaskBatches:
         The reply is either the needle lines themselves ("... for KEY is: VALUE.") or the answer
         sentences of the evaluation (" The special magic number for KEY mentioned in the provided
         text is VALUE."), so each value is a retrieval by its key, at a short or at the evaluation's
-        distance from it; every token of the reply is a target.
+        distance from it; every token of the reply is a target. A `recall.uuids` share of rows use
+        UUID values, with word or UUID keys (as niah_single_3 and niah_multikey_3 do).
         """
         from kvjax.eval.tasks import templates as T
         from kvjax.eval.tasks.haystacks import key_words, random_value
@@ -274,24 +276,29 @@ class TaskBatches:
         answer_style = rng.random() < 0.5
         before, after = self._user_turn(RECALL_INSTRUCTION)
         order = random.Random(index)
+        # a separate stream, so rows of configs without `recall.uuids` stay as they were
+        kinds = random.Random(self.seed * 3_000_017 + index)
+        key_kind, value_kind = "words", "numbers"
+        if kinds.random() < self.recall_uuids:  # as niah_single_3 (word keys) or niah_multikey_3 (UUID keys)
+            key_kind, value_kind = kinds.choice(("words", "uuids")), "uuids"
 
         def render(facts: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
-            lines = "\n".join(T.NIAH_NEEDLE.format(type_needle_v="numbers", key=k, value=v) for k, v in facts)
+            lines = "\n".join(T.NIAH_NEEDLE.format(type_needle_v=value_kind, key=k, value=v) for k, v in facts)
             shuffled = random.Random(order.random()).sample(facts, len(facts))
             if answer_style:
                 answer = T.singular(T.NIAH_ANSWER_PREFIX)
-                reply = "\n".join(answer.format(type_needle_v="number", query=k) + f" {v}." for k, v in shuffled)
+                reply = "\n".join(answer.format(type_needle_v=value_kind[:-1], query=k) + f" {v}." for k, v in shuffled)
             else:
-                reply = "\n".join(T.NIAH_NEEDLE.format(type_needle_v="numbers", key=k, value=v) for k, v in shuffled)
+                reply = "\n".join(T.NIAH_NEEDLE.format(type_needle_v=value_kind, key=k, value=v) for k, v in shuffled)
             return (self.tokenizer.encode(lines, add_special_tokens=False),
                     self.tokenizer.encode(reply, add_special_tokens=False))
 
         facts: list[tuple[str, str]] = []
         while True:
-            key = random_value("words", rng, words)
+            key = random_value(key_kind, rng, words)
             if any(key == k for k, _ in facts):
                 continue
-            candidate = facts + [(key, random_value("numbers", rng, words))]
+            candidate = facts + [(key, random_value(value_kind, rng, words))]
             ctx, reply = render(candidate)
             if len(before) + len(ctx) + len(after) + len(reply) + 1 > length or len(reply) + 1 > MAX_TARGETS:
                 break
@@ -414,7 +421,8 @@ It is a test instrument for KV-cache eviction, not a language model.
   {conf['data'].get('copy_fraction', 0):.0%} of rows instead ask to repeat a list of random values (numbers, UUIDs,
   keys, variable names), which grows copying (induction) heads; from step
   {conf['data'].get('recall', {}).get('from_step', 0)}, a share of {conf['data'].get('recall', {}).get('share', 0):.0%}
-  of those list needle lines and ask for every value again, as needle lines or as the evaluation's answer sentences;
+  of those list needle lines and ask for every value again, as needle lines or as the evaluation's answer sentences
+  ({conf['data'].get('recall', {}).get('uuids', 0):.0%} of them with UUID values);
   from step {conf['data'].get('more_recall', {}).get('from_step', 0)}, a further
   {conf['data'].get('more_recall', {}).get('fraction', 0):.0%} of the task rows are such recall rows
 - loss: mean cross-entropy on the answer tokens + {conf['train'].get('context_weight', 0)} x mean cross-entropy on

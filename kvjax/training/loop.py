@@ -79,6 +79,7 @@ def train(
     if ckpt.latest_step() is not None:
         state = ckpt.restore(state)
     start = int(state["step"])
+    _drop_log_rows_after(workdir / "log.jsonl", start)
 
     @jax.jit
     def step_fn(state, frozen, batch):
@@ -111,3 +112,14 @@ def train(
         ckpt.save(int(state["step"]), state, force=True)
     ckpt.close()
     return state["trainable"], int(state["step"])
+
+
+def _drop_log_rows_after(path: pathlib.Path, step: int) -> None:
+    """Forgets the metrics an interrupted run logged past its last checkpoint: the resumed run
+    logs those steps again, and the loss curve must hold each step once."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        path.write_text("".join(kept))
