@@ -1,5 +1,6 @@
 """The bundled model's training data (rows, needle drills, curriculum) and its loss."""
 
+import json
 import re
 
 import jax
@@ -176,7 +177,7 @@ def test_recall_rows_with_uuids(tokenizer):
 
 
 @pytest.mark.slow
-def test_two_phase_training_resumes_exports_and_refuses_an_unfinished_first_phase(tmp_path):
+def test_phased_training_resumes_exports_and_refuses_an_unfinished_earlier_phase(tmp_path):
     import yaml
 
     conf = {"model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
@@ -199,6 +200,14 @@ def test_two_phase_training_resumes_exports_and_refuses_an_unfinished_first_phas
     bundled.main(["--config", str(second), "--workdir", str(b), "--export", str(out)])
     card = (out / "MODEL_CARD.md").read_text()
     assert "--init-from runs/bundled" in card and str(first) in card and (out / "loss_curve.png").is_file()
+    # a third phase from the second: the card names all three runs, the log steps run on across phases
+    c = tmp_path / "c"
+    bundled.main(["--config", str(first), "--workdir", str(c), "--init-from", str(b), "--init-from-config", str(second)])
+    bundled.main(["--config", str(first), "--workdir", str(c), "--export", str(out)])
+    card = (out / "MODEL_CARD.md").read_text()
+    assert "--workdir runs/bundled_3 --init-from runs/bundled_2" in card and "(3 steps)" in card
+    phases = bundled._chain(json.loads((c / "init_from.json").read_text()))
+    assert [(p["workdir"], p["step"]) for p in phases] == [(str(a), 2), (str(b), 3)]
     import kvjax
 
     model = kvjax.load_model(out)

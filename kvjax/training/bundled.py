@@ -441,14 +441,29 @@ It is a test instrument for KV-cache eviction, not a language model.
     (out / "MODEL_CARD.md").write_text(text)
 
 
+def _chain(earlier: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The earlier phases a run started from (its `init_from.json`, nested), oldest first."""
+    phases = []
+    while earlier:
+        phases.insert(0, earlier)
+        earlier = earlier.get("earlier")
+    return phases
+
+
 def _reproduce(config_path: str, earlier: dict[str, Any] | None) -> str:
     cmd = "python -m kvjax.training.bundled"
-    if not earlier:
+    phases = _chain(earlier)
+    if not phases:
         return (f"`{cmd} --config {config_path} --workdir runs/bundled` (resumes when re-run), then the same "
                 "command with `--export kvjax/assets/model`")
-    return (f"`{cmd} --config {earlier['config']} --workdir runs/bundled` ({earlier['step']} steps), then "
-            f"`{cmd} --config {config_path} --workdir runs/bundled_2 --init-from runs/bundled` (each resumes when "
-            "re-run), then the second command with `--export kvjax/assets/model`; the loss curve shows both phases")
+    dirs = ["runs/bundled"] + [f"runs/bundled_{j + 2}" for j in range(len(phases))]
+    steps = [f"`{cmd} --config {phases[0]['config']} --workdir {dirs[0]}` ({phases[0]['step']} steps)"]
+    for j, phase in enumerate(phases[1:] + [{"config": config_path}], start=1):
+        init = f" --init-from {dirs[j - 1]} --init-from-config {phases[j - 1]['config']}"
+        steps.append(f"`{cmd} --config {phase['config']} --workdir {dirs[j]}{init}`"
+                     + (f" ({phase['step']} steps)" if "step" in phase else ""))
+    return (", then ".join(steps) + " (each resumes when re-run), then the last command with "
+            "`--export kvjax/assets/model`; the loss curve shows every phase")
 
 
 def full_cache_scores(eval_dir: str | pathlib.Path) -> dict[str, Any]:
@@ -500,7 +515,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-minutes", type=float, help="stop (with a checkpoint) after this long; rerun to resume")
     ap.add_argument("--export", help="write the trained model (HF format + tokenizer) to this folder and exit")
     ap.add_argument("--scores", help="with --export: an eval output folder whose full-cache scores go in the model card")
-    ap.add_argument("--init-from", help="start from the final weights of this earlier run's workdir (a second phase)")
+    ap.add_argument("--init-from", help="start from the final weights of this earlier run's workdir (a next phase)")
     ap.add_argument("--init-from-config", default="configs/bundled_model.yaml", help="the config of --init-from's run")
     args = ap.parse_args(argv)
     conf = yaml.safe_load(pathlib.Path(args.config).read_text())
@@ -516,8 +531,11 @@ def main(argv: list[str] | None = None) -> None:
         state = _restore(workdir, params, optim)
         out = save_hf(args.export, jax.device_get(state["trainable"]), cfg)
         tokenizer.save_pretrained(out)
-        logs = ([(pathlib.Path(earlier["workdir"]) / "log.jsonl", 0)] if earlier else []) + \
-            [(workdir / "log.jsonl", earlier["step"] if earlier else 0)]
+        logs, offset = [], 0
+        for phase in _chain(earlier):
+            logs.append((pathlib.Path(phase["workdir"]) / "log.jsonl", offset))
+            offset += int(phase["step"])
+        logs.append((workdir / "log.jsonl", offset))
         rows = plot_loss(logs, out / "loss_curve.png")
         write_model_card(out, conf, cfg, rows, args.config, full_cache_scores(args.scores) if args.scores else None,
                          earlier=earlier)
@@ -532,8 +550,10 @@ def main(argv: list[str] | None = None) -> None:
                              f"{first['optim']['steps']} steps of {args.init_from_config}: finish that run first")
         params = state["trainable"]
         workdir.mkdir(parents=True, exist_ok=True)
-        (workdir / "init_from.json").write_text(json.dumps(
-            {"workdir": str(args.init_from), "config": args.init_from_config, "step": int(state["step"])}))
+        phase = {"workdir": str(args.init_from), "config": args.init_from_config, "step": int(state["step"])}
+        if (before := pathlib.Path(args.init_from) / "init_from.json").exists():  # a third phase or later
+            phase["earlier"] = json.loads(before.read_text())
+        (workdir / "init_from.json").write_text(json.dumps(phase))
     batches = TaskBatches(conf["data"], tokenizer)
     loss = functools.partial(lm_loss, cfg=cfg, context_weight=float(conf["train"].get("context_weight", 0.0)))
     workdir.mkdir(parents=True, exist_ok=True)
