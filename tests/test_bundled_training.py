@@ -212,3 +212,26 @@ def test_phased_training_resumes_exports_and_refuses_an_unfinished_earlier_phase
 
     model = kvjax.load_model(out)
     assert model.config.num_layers == 1 and model.tokenizer is not None
+
+
+def test_recall_rows_with_several_values_per_key(tokenizer):
+    """`recall.multi_value`: some keys have 2-4 needle lines; the reply states each key once with all
+    of its values, in their order of appearance, and no other key or value."""
+    batches = bundled.TaskBatches({**DATA, "recall": {"share": 1.0, "multi_value": 0.5}}, tokenizer)
+    grouped = 0
+    for index in range(12):
+        ids, targets = batches._recall_row(768, index)
+        context, said = tokenizer.decode(ids[: targets[0]]), tokenizer.decode(ids[targets[0]: -1])
+        values: dict[str, list[str]] = {}
+        for _, k, v in bundled.NEEDLE.findall(context):
+            values.setdefault(k, []).append(v)
+        if "mentioned in the provided text" in said:
+            stated = {k: vs.split(", ") for k, vs in
+                      re.findall(r"for (\S+) mentioned in the provided text (?:is|are) ([\d, ]+)\.", said)}
+        else:
+            stated = {}
+            for _, k, v in bundled.NEEDLE.findall(said):
+                stated.setdefault(k, []).append(v)
+        assert stated == values
+        grouped += sum(len(vs) > 1 for vs in values.values())
+    assert grouped >= 5

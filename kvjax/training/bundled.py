@@ -131,6 +131,7 @@ class TaskBatches:
         recall = data.get("recall", {})  # {from_step, share, uuids}: copy rows that become `_recall_row`s
         self.recall_from, self.recall_share = int(recall.get("from_step", 0)), float(recall.get("share", 0.0))
         self.recall_uuids = float(recall.get("uuids", 0.0))  # share of recall rows with UUID values (and keys)
+        self.recall_multi_value = float(recall.get("multi_value", 0.0))  # share of their keys with 2-4 values
         # {from_step, fraction}: of the remaining (task) rows, this fraction become recall rows too
         more = data.get("more_recall", {})
         self.recall_more_from, self.recall_more = int(more.get("from_step", 0)), float(more.get("fraction", 0.0))
@@ -266,7 +267,9 @@ class TaskBatches:
         sentences of the evaluation (" The special magic number for KEY mentioned in the provided
         text is VALUE."), so each value is a retrieval by its key, at a short or at the evaluation's
         distance from it; every token of the reply is a target. A `recall.uuids` share of rows use
-        UUID values, with word or UUID keys (as niah_single_3 and niah_multikey_3 do).
+        UUID values, with word or UUID keys (as niah_single_3 and niah_multikey_3 do). A
+        `recall.multi_value` share of keys have 2-4 values on lines scattered among the others, stated
+        together in order of appearance (as niah_multivalue asks).
         """
         from kvjax.eval.tasks import templates as T
         from kvjax.eval.tasks.haystacks import key_words, random_value
@@ -276,7 +279,7 @@ class TaskBatches:
         answer_style = rng.random() < 0.5
         before, after = self._user_turn(RECALL_INSTRUCTION)
         order = random.Random(index)
-        # a separate stream, so rows of configs without `recall.uuids` stay as they were
+        # a separate stream, so rows of configs without `recall.uuids` / `multi_value` stay as they were
         kinds = random.Random(self.seed * 3_000_017 + index)
         key_kind, value_kind = "words", "numbers"
         if kinds.random() < self.recall_uuids:  # as niah_single_3 (word keys) or niah_multikey_3 (UUID keys)
@@ -284,12 +287,19 @@ class TaskBatches:
 
         def render(facts: list[tuple[str, str]]) -> tuple[list[int], list[int]]:
             lines = "\n".join(T.NIAH_NEEDLE.format(type_needle_v=value_kind, key=k, value=v) for k, v in facts)
-            shuffled = random.Random(order.random()).sample(facts, len(facts))
+            values: dict[str, list[str]] = {}
+            for k, v in facts:
+                values.setdefault(k, []).append(v)
+            shuffled = random.Random(order.random()).sample(list(values), len(values))
             if answer_style:
-                answer = T.singular(T.NIAH_ANSWER_PREFIX)
-                reply = "\n".join(answer.format(type_needle_v=value_kind[:-1], query=k) + f" {v}." for k, v in shuffled)
+                plural, singular = T.NIAH_ANSWER_PREFIX, T.singular(T.NIAH_ANSWER_PREFIX)
+                reply = "\n".join(
+                    (singular.format(type_needle_v=value_kind[:-1], query=k) if len(values[k]) == 1
+                     else plural.format(type_needle_v=value_kind, query=k)) + f" {', '.join(values[k])}."
+                    for k in shuffled)
             else:
-                reply = "\n".join(T.NIAH_NEEDLE.format(type_needle_v=value_kind, key=k, value=v) for k, v in shuffled)
+                reply = "\n".join(T.NIAH_NEEDLE.format(type_needle_v=value_kind, key=k, value=v)
+                                  for k in shuffled for v in values[k])
             return (self.tokenizer.encode(lines, add_special_tokens=False),
                     self.tokenizer.encode(reply, add_special_tokens=False))
 
@@ -298,7 +308,11 @@ class TaskBatches:
             key = random_value(key_kind, rng, words)
             if any(key == k for k, _ in facts):
                 continue
-            candidate = facts + [(key, random_value(value_kind, rng, words))]
+            many = self.recall_multi_value and kinds.random() < self.recall_multi_value
+            candidate = list(facts)
+            for _ in range(kinds.randint(2, 4) if many else 1):
+                fact = (key, random_value(value_kind, rng, words))
+                candidate.insert(kinds.randint(0, len(candidate)) if many else len(candidate), fact)
             ctx, reply = render(candidate)
             if len(before) + len(ctx) + len(after) + len(reply) + 1 > length or len(reply) + 1 > MAX_TARGETS:
                 break
@@ -422,7 +436,7 @@ It is a test instrument for KV-cache eviction, not a language model.
   keys, variable names), which grows copying (induction) heads; from step
   {conf['data'].get('recall', {}).get('from_step', 0)}, a share of {conf['data'].get('recall', {}).get('share', 0):.0%}
   of those list needle lines and ask for every value again, as needle lines or as the evaluation's answer sentences
-  ({conf['data'].get('recall', {}).get('uuids', 0):.0%} of them with UUID values);
+  ({conf['data'].get('recall', {}).get('uuids', 0):.0%} of them with UUID values; {conf['data'].get('recall', {}).get('multi_value', 0):.0%} of their keys with 2-4 values);
   from step {conf['data'].get('more_recall', {}).get('from_step', 0)}, a further
   {conf['data'].get('more_recall', {}).get('fraction', 0):.0%} of the task rows are such recall rows
 - loss: mean cross-entropy on the answer tokens + {conf['train'].get('context_weight', 0)} x mean cross-entropy on
