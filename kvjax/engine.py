@@ -402,6 +402,33 @@ def generate(
     return _answer(model, batch, first, cache, state, policy, plan, k_rest)
 
 
+def compress(
+    model: Model,
+    prompts: Any,
+    *,
+    policy: Any,
+    budget: int | None = None,
+    compression_ratio: float | None = None,
+    chat_template: bool = False,
+    buckets: Sequence[int] = BUCKETS,
+) -> KVCache:
+    """Prefills `prompts` and compresses the cache with `policy`, without decoding: which entries
+    each layer and KV head kept. Arguments as in `generate`.
+
+    Returns the cache: k, v [L, B, Hkv, C, D]; pos [L, B, Hkv, C] (the prompt position of each slot)
+    and valid [L, B, Hkv, C] (kept), over the C slots the policy compacts into.
+    """
+    policy = _resolve_policy(policy)
+    if policy is None:
+        raise ValueError("compress needs a policy (a registered name or a policy object), got None")
+    batch = _prepare(model, prompts, None, 1, 0.0, None, None, None, chat_template, buckets)
+    plan = _plan_for(model, batch, policy, budget, compression_ratio)
+    data = _batch_put(model.mesh, *_pad(batch.rows, batch.bucket, batch.pad_id), batch.lengths)
+    _, cache, _ = _prefill_and_compress(model, data, jax.random.PRNGKey(0), policy, plan, batch.bucket,
+                                        batch.bucket, batch.sampler)
+    return cache
+
+
 def generate_settings(
     model: Model,
     prompts: Any,

@@ -131,3 +131,21 @@ def test_answer_caps_in_one_step_bucket_share_the_decode_program(stories):
     assert TRACE_COUNTS == before
     assert short.tokens.shape == (2, 33) and (short.lengths == 33).all()
     np.testing.assert_array_equal(short.tokens, long.tokens[:, :33])
+
+
+def test_compress_returns_the_entries_the_policy_keeps(stories):
+    """StreamingLLM keeps its 4 sinks and the newest positions in every layer and head (budget - 1
+    entries: it leaves the slot the next decoded token is written to); a scored policy keeps exactly
+    `budget` entries of each row's own prompt."""
+    prompts = _prompts([40, 30])
+    cache = kvjax.engine.compress(stories, prompts, policy="streaming_llm", budget=16)
+    pos, valid = np.asarray(cache.pos), np.asarray(cache.valid)
+    for b, n in enumerate((40, 30)):
+        for l in range(pos.shape[0]):
+            for h in range(pos.shape[2]):
+                assert sorted(pos[l, b, h][valid[l, b, h]]) == [0, 1, 2, 3] + list(range(n - 11, n))
+    cache = kvjax.engine.compress(stories, _prompts([120, 90]), policy="snapkv", budget=48)
+    valid, pos = np.asarray(cache.valid), np.asarray(cache.pos)
+    assert (valid.sum(-1) == 48).all() and (pos[:, 1][valid[:, 1]] < 90).all()
+    with pytest.raises(ValueError, match="needs a policy"):
+        kvjax.engine.compress(stories, prompts, policy=None)
