@@ -97,6 +97,28 @@ def test_needle_drills_use_ruler_templates():
                        ("blue-cat",))]
 
 
+def test_drills_on_several_keys_list_values_in_the_order_asked():
+    """order="query": key by key, as asked; order="context": by order of appearance, as `render`
+    lists a sample's own answers."""
+    import random
+
+    keys = ["red-fox", "blue-cat", "old-owl", "tall-elm", "wet-sand"]
+    values = [str(1_000_000 + 111_111 * j) for j in range(5)]
+    context = "\n".join(f"One of the special magic numbers for {k} is: {v}." for k, v in zip(keys, values))
+    where = {v: context.find(v) for v in values}
+    grouped = 0
+    for seed in range(40):
+        for order in ("query", "context"):
+            for _, _, answer, asked in bundled.needle_drills({"context": context}, random.Random(seed), order):
+                said = answer.strip(" .").split(", ")
+                by_key = [values[keys.index(k)] for k in asked]
+                assert said == (by_key if order == "query" else sorted(by_key, key=where.get))
+                grouped += len(asked) > 1 and by_key != sorted(by_key, key=where.get)
+    assert grouped >= 4
+    with pytest.raises(ValueError, match="drill_order"):
+        bundled.TaskBatches({**DATA, "drill_order": "random"}, bundled.load_tokenizer())
+
+
 def test_render_matches_the_evaluation_split(tokenizer):
     from kvjax.eval.tasks import generate_task
 

@@ -74,13 +74,16 @@ def render(sample: dict[str, Any], tokenizer) -> tuple[list[int], list[int]]:
     return context + question, answer + [tokenizer.eos_token_id]
 
 
-def needle_drills(sample: dict[str, Any], rng: random.Random) -> list[tuple[str, str, str, tuple[str, ...]]]:
+def needle_drills(sample: dict[str, Any], rng: random.Random,
+                  order: str = "query") -> list[tuple[str, str, str, tuple[str, ...]]]:
     """Extra questions on the needles of a sample's context, in random order: (question, prefix, answer, keys).
 
     Every needle line of the haystack (distractors included) is a key-value fact the context states,
     so asking about each one gives many retrieval targets per long sequence instead of one. Keys with
     several values are asked in the plural form; a quarter of the drills ask 2-4 keys at once (as
-    niah_multiquery does). Questions use RULER's own templates.
+    niah_multiquery does). Questions use RULER's own templates. The values of a drill asking several
+    keys are listed key by key (`order="query"`) or in their order of appearance (`"context"`, as
+    `render` lists a sample's own answers).
     """
     from kvjax.eval.tasks import templates as T
 
@@ -97,6 +100,8 @@ def needle_drills(sample: dict[str, Any], rng: random.Random) -> list[tuple[str,
             group = group[:1]
         kind = facts[group[0]][0]
         values = [v for k in group for v in facts[k][1]]
+        if order == "context":
+            values.sort(key=sample["context"].find)
         query = ", ".join(group[:-1]) + ", and " + group[-1] if len(group) > 1 else group[0]
         tmpl = (T.NIAH_QUESTION, T.NIAH_ANSWER_PREFIX)
         if len(values) == 1:  # RULER's singular form: "A special magic number ... is"
@@ -127,6 +132,9 @@ class TaskBatches:
         self.curriculum = [(int(c[0]), list(c[1]), int(c[2]) if len(c) > 2 else int(data["batch_size"]))
                            for c in data.get("curriculum", [])]
         self.drill_fraction = float(data.get("drill_fraction", 0.0))
+        self.drill_order = data.get("drill_order", "query")  # needle_drills' order of several keys' values
+        if self.drill_order not in ("query", "context"):
+            raise ValueError(f"drill_order must be 'query' or 'context', got {self.drill_order!r}")
         self.copy_fraction = float(data.get("copy_fraction", 0.0))
         recall = data.get("recall", {})  # {from_step, share, uuids}: copy rows that become `_recall_row`s
         self.recall_from, self.recall_share = int(recall.get("from_step", 0)), float(recall.get("share", 0.0))
@@ -212,7 +220,7 @@ class TaskBatches:
         slack = max(0, MAX_NEW_TOKENS["vt" if task == "vt" else "niah"] - ANSWER_ROOM)
         sample = self._generate(task, max(self.min_length[task], length + slack - reserve), index)
         queried = set(query_keys(sample))
-        drills = [d for d in needle_drills(sample, rng) if not queried & set(d[3])]
+        drills = [d for d in needle_drills(sample, rng, self.drill_order) if not queried & set(d[3])]
         if not drills and reserve:
             sample = self._generate(task, length + slack, index)
         prompt, answer = render(sample, self.tokenizer)
@@ -431,7 +439,8 @@ It is a test instrument for KV-cache eviction, not a language model.
   {conf['data']['lengths']} tokens (first {curriculum}), batch {conf['data']['batch_size']}, seeds from
   {conf['data']['seed']} (disjoint from the evaluation's), task weights {conf['data'].get('task_weights', {})}.
   After its answer, each row holds further user turns asking about the other needles of its context
-  (up to {conf['data'].get('drill_fraction', 0):.0%} of the row), so one long context yields many retrieval targets.
+  (up to {conf['data'].get('drill_fraction', 0):.0%} of the row; values of several keys listed in {conf['data'].get('drill_order', 'query')} order),
+  so one long context yields many retrieval targets.
   {conf['data'].get('copy_fraction', 0):.0%} of rows instead ask to repeat a list of random values (numbers, UUIDs,
   keys, variable names), which grows copying (induction) heads; from step
   {conf['data'].get('recall', {}).get('from_step', 0)}, a share of {conf['data'].get('recall', {}).get('share', 0):.0%}
