@@ -257,3 +257,43 @@ def test_recall_rows_with_several_values_per_key(tokenizer):
         assert stated == values
         grouped += sum(len(vs) > 1 for vs in values.values())
     assert grouped >= 5
+
+
+def _vt_chains_of(context: str) -> dict[str, list[str]]:
+    """value -> the names assigned it, in chain order, read off the context's VAR lines."""
+    heads = dict((v, n) for n, v in re.findall(r"VAR (\w+) = (\d+)", context))
+    follows = dict(re.findall(r"VAR (\w+) = VAR (\w+)", context))
+    child = {src: dst for dst, src in follows.items()}
+    chains = {}
+    for value, name in heads.items():
+        chains[value] = [name]
+        while chains[value][-1] in child:
+            chains[value].append(child[chains[value][-1]])
+    return chains
+
+
+def test_vt_rows_with_more_chains_ask_each_one(tokenizer):
+    """`vt_chains`: the vt context gains that many chains, each asked about after the answer with
+    RULER's question; every reply names exactly that chain's variables, in order; other rows are untouched."""
+    data = {**DATA, "lengths": [1024], "curriculum": [], "task_weights": {"vt": 3}}
+    plain, more = bundled.TaskBatches(data, tokenizer), bundled.TaskBatches({**data, "vt_chains": 3}, tokenizer)
+    asked = 0
+    for i in range(12):
+        task = more.tasks[1024][i % len(more.tasks[1024])]
+        ids, targets = more.sample(0, i)
+        if task != "vt" or "Memorize and track" not in tokenizer.decode(ids):
+            assert (ids, targets) == plain.sample(0, i)
+            continue
+        text = tokenizer.decode(ids)
+        start = text.rindex("Memorize and track")  # after the one-shot example
+        context = text[start: text.index("Question:", start)]
+        chains = _vt_chains_of(context)
+        assert len(chains) == 4 and all(len(names) == 5 for names in chains.values())
+        questions = re.findall(r"assigned the value (\d+) in the text above", text[start:])
+        replies = tokenizer.decode([ids[t] for t in targets]).split(tokenizer.eos_token)[:-1]
+        assert len(questions) == len(replies) >= 3
+        for value, reply in zip(questions, replies):
+            assert reply == " ".join(chains[value])
+        assert ids[targets[0] - 1] == tokenizer.encode(" ", add_special_tokens=False)[0]  # the prefix's trailing space
+        asked += len(replies) - 1
+    assert asked >= 6

@@ -17,6 +17,7 @@ import json
 import pathlib
 import random
 import re
+import string
 from typing import Any
 
 import jax
@@ -118,7 +119,8 @@ class TaskBatches:
     Each row is one task sample rendered exactly as the evaluation renders it, answered, then (for
     samples whose context holds other needles) followed by further user turns of `needle_drills`
     until the row is full; a random fraction up to `drill_fraction` of the row is set aside for them.
-    A `copy_fraction` of rows instead ask to repeat a list of random values (`_copy_row`).
+    A `copy_fraction` of rows instead ask to repeat a list of random values (`_copy_row`). With
+    `vt_chains`, vt rows hold that many more chains, each asked about after the answer (`_vt_row`).
     `curriculum` ([[until_step, lengths, batch_size?], ...]) trains on shorter rows (in bigger batches) first; `task_weights` repeats
     tasks in the mix (the needle-haystack tasks carry the most drills).
     """
@@ -143,6 +145,8 @@ class TaskBatches:
         # {from_step, fraction}: of the remaining (task) rows, this fraction become recall rows too
         more = data.get("more_recall", {})
         self.recall_more_from, self.recall_more = int(more.get("from_step", 0)), float(more.get("fraction", 0.0))
+        # vt rows carry this many more chains of variables, each asked about in a turn after the answer
+        self.vt_chains = int(data.get("vt_chains", 0))
         self.batch_size = int(data["batch_size"])
         self.seed = int(data["seed"])
         self.tokenizer = tokenizer
@@ -215,6 +219,8 @@ class TaskBatches:
             return self._copy_row(length, index)
         if step >= self.recall_more_from and rng.random() < self.recall_more:
             return self._recall_row(length, index)
+        if task == "vt" and self.vt_chains:
+            return self._vt_row(length, index)
         reserve = int(length * rng.uniform(0.0, self.drill_fraction))
         # the generators keep the task's whole generation cap free; a training row needs only ANSWER_ROOM of it
         slack = max(0, MAX_NEW_TOKENS["vt" if task == "vt" else "niah"] - ANSWER_ROOM)
@@ -228,6 +234,59 @@ class TaskBatches:
         for question, prefix, value, _ in drills:
             turn = self.tokenizer.encode(self.turn.format(question=question, prefix=prefix), add_special_tokens=False)
             reply = self.tokenizer.encode(value, add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            if len(ids) + len(turn) + len(reply) > length or len(targets) + len(reply) > MAX_TARGETS:
+                break
+            ids += turn
+            targets += range(len(ids), len(ids) + len(reply))
+            ids += reply
+        return ids, targets
+
+    def _vt_row(self, length: int, index: int) -> tuple[list[int], list[int]]:
+        """A vt sample whose context holds `vt_chains` more chains, each asked about after the answer.
+
+        The extra chains replace noise lines (in order, at random places), so the row stays the
+        evaluation's vt prompt with more to track; every turn asks RULER's own question and ends in
+        its answer prefix, whose trailing space leaves the first name to be written without its
+        leading space, as the evaluation asks. Each turn is one more example of that.
+        """
+        from kvjax.eval.tasks import templates as T
+        from kvjax.tokenizer.words import NOISE_SENTENCE
+
+        rng = random.Random(self.seed * 9_000_011 + index)
+        probe = self.turn.format(question=T.VT_QUESTION.format(query="12345"),
+                                 prefix=T.VT_ANSWER_PREFIX.format(num_v=5, query="12345"))
+        per_turn = len(self.tokenizer.encode(probe + " ".join(["ABCDE"] * 5), add_special_tokens=False)) + 1
+        sample = self._generate("vt", max(self.min_length["vt"], length - self.vt_chains * per_turn), index)
+        ctx = sample["context"]
+        start = ctx.rfind(T.VT_CONTEXT.split("\n")[0])  # after the one-shot example
+        lines = ctx[start:].split("\n")
+        noise = [j for j, line in enumerate(lines) if line == NOISE_SENTENCE.strip()]
+        taken, values = set(sample["answers"]) | {"VAR"}, {sample["question"].split("value ")[1].split()[0]}
+        chains = []
+        for _ in range(min(self.vt_chains, len(noise) // 5)):
+            names = []
+            while len(names) < 5:
+                name = "".join(rng.choices(string.ascii_uppercase, k=5))
+                if name not in taken:
+                    taken.add(name)
+                    names.append(name)
+            value = str(rng.randrange(10000, 99999))
+            while value in values:
+                value = str(rng.randrange(10000, 99999))
+            values.add(value)
+            at = sorted(rng.sample(noise, 5))
+            noise = [j for j in noise if j not in at]
+            for j, (pos, line) in enumerate(zip(at, [f"VAR {names[0]} = {value}"] +
+                                                [f"VAR {names[k + 1]} = VAR {names[k]} " for k in range(4)])):
+                lines[pos] = line
+            chains.append((value, names))
+        prompt, answer = render({**sample, "context": ctx[:start] + "\n".join(lines)}, self.tokenizer)
+        ids, targets = prompt + answer, list(range(len(prompt), len(prompt) + len(answer)))
+        for value, names in chains:
+            turn = self.tokenizer.encode(self.turn.format(question=T.VT_QUESTION.format(query=value),
+                                                          prefix=T.VT_ANSWER_PREFIX.format(num_v=5, query=value)),
+                                         add_special_tokens=False)
+            reply = self.tokenizer.encode(" ".join(names), add_special_tokens=False) + [self.tokenizer.eos_token_id]
             if len(ids) + len(turn) + len(reply) > length or len(targets) + len(reply) > MAX_TARGETS:
                 break
             ids += turn
