@@ -278,7 +278,7 @@ class _Batch:
 
 
 def _prepare(model: Model, prompts: Any, questions: Any, max_new_tokens: int, temperature: float, top_k, top_p,
-             stop_tokens, chat_template: bool, buckets: Sequence[int]) -> _Batch:
+             stop_tokens, chat_template: bool, buckets: Sequence[int], question_tokens: int = 0) -> _Batch:
     cfg = model.config
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
@@ -308,7 +308,7 @@ def _prepare(model: Model, prompts: Any, questions: Any, max_new_tokens: int, te
     else:
         stop_ids = tuple(sorted({int(t) for t in stop_tokens}))
     # questions are short and vary by task: one floor bucket lets tasks share compiled programs
-    q_bucket = bucket_length(int(q_lengths.max()), [b for b in buckets if b >= MIN_QUESTION_BUCKET] or buckets) if q_rows else 0
+    q_bucket = bucket_length(max(int(q_lengths.max()), int(question_tokens)), [b for b in buckets if b >= MIN_QUESTION_BUCKET] or buckets) if q_rows else 0
     return _Batch(rows=rows, q_rows=q_rows, lengths=lengths, q_lengths=q_lengths,
                   bucket=bucket_length(int(lengths.max()), buckets), q_bucket=q_bucket,
                   steps=bucket_length(int(max_new_tokens), STEP_BUCKETS), max_new_tokens=int(max_new_tokens),
@@ -377,6 +377,7 @@ def generate(
     stop_tokens: Sequence[int] | None = None,
     chat_template: bool = False,
     buckets: Sequence[int] = BUCKETS,
+    question_tokens: int = 0,
 ) -> GenerateOutput:
     """Generates continuations for a batch of prompts of different lengths.
 
@@ -387,12 +388,14 @@ def generate(
       with a policy give exactly one of `budget` (entries kept per KV head) or `compression_ratio`.
     temperature 0 is greedy; otherwise sampling with optional top_k / top_p and a PRNG `key`.
     stop_tokens: ids that end a row (default: the model's EOS ids).
+    question_tokens: pad the questions to at least this many tokens, so that calls whose questions
+      differ in length share one compiled program (padding is masked; answers are unchanged).
     """
     policy = _resolve_policy(policy)
     if policy is None and (budget is not None or compression_ratio is not None):
         raise ValueError("budget / compression_ratio need a policy (policy=None keeps the full cache)")
     batch = _prepare(model, prompts, questions, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                     chat_template, buckets)
+                     chat_template, buckets, question_tokens)
     plan = _plan_for(model, batch, policy, budget, compression_ratio)
     key = jax.random.PRNGKey(0) if key is None else key
     k_prefill, k_rest = jax.random.split(key)
@@ -443,6 +446,7 @@ def generate_settings(
     stop_tokens: Sequence[int] | None = None,
     chat_template: bool = False,
     buckets: Sequence[int] = BUCKETS,
+    question_tokens: int = 0,
     on_error: str = "raise",
 ) -> list[GenerateOutput | ValueError]:
     """`generate` for one batch under several settings, sharing the model prefill between them.
@@ -458,7 +462,7 @@ def generate_settings(
         raise ValueError(f"on_error must be 'raise' or 'return', got {on_error!r}")
     policies = [_resolve_policy(st.policy) for st in settings]
     batch = _prepare(model, prompts, questions, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-                     chat_template, buckets)
+                     chat_template, buckets, question_tokens)
     plans, errors = [], {}
     for j, (p, st) in enumerate(zip(policies, settings)):
         try:

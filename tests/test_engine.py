@@ -149,3 +149,24 @@ def test_compress_returns_the_entries_the_policy_keeps(stories):
     assert (valid.sum(-1) == 48).all() and (pos[:, 1][valid[:, 1]] < 90).all()
     with pytest.raises(ValueError, match="needs a policy"):
         kvjax.engine.compress(stories, prompts, policy=None)
+
+
+def test_question_tokens_pads_questions_into_one_program_without_changing_answers(stories):
+    """`question_tokens`: questions of different lengths share the compiled programs of the padded
+    bucket, and the padding changes no answer, for prefill-time and decode-time policies alike."""
+    from kvjax.engine import Setting, generate_settings
+
+    contexts = _prompts((120, 97))
+    short_q = [RNG.randint(3, 512, n).tolist() for n in (5, 9)]
+    long_q = [RNG.randint(3, 512, n).tolist() for n in (70, 90)]  # past the 64-token question bucket
+    settings = [Setting(None), Setting("snapkv", compression_ratio=0.5), Setting("h2o", budget=40),
+                Setting("tova", budget=40)]
+    plain = generate_settings(stories, contexts, settings, questions=short_q, max_new_tokens=10, stop_tokens=[])
+    padded = generate_settings(stories, contexts, settings, questions=short_q, max_new_tokens=10, stop_tokens=[],
+                               question_tokens=128)
+    for a, b in zip(plain, padded):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+    with _BackendCompiles() as compiles:
+        generate_settings(stories, contexts, settings, questions=long_q, max_new_tokens=10, stop_tokens=[],
+                          question_tokens=128)
+    assert compiles.count == 0

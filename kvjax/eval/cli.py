@@ -293,6 +293,9 @@ def main(argv: list[str] | None = None, *, generate_fn=None, logits_fn=None, tok
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     settings = runner.make_settings(cfg["policies"], cfg["compression_ratios"], cfg["budgets"])
+    if share_shapes := getattr(generate_fn, "share_shapes", None):
+        share_shapes([s for task, made in samples.items() if TASKS[task].metric != "fidelity" for s in made],
+                     bool(cfg["query_aware"]))
     rows = runner.run(samples, settings, out, metrics={t: TASKS[t].metric for t in samples},
                       generate_fn=generate_fn, logits_fn=logits_fn, query_aware=bool(cfg["query_aware"]),
                       batch_size=int(cfg["batch_size"]), progress=not args.no_progress)

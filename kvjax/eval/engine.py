@@ -49,8 +49,12 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
     min_new_tokens: every batch decodes with at least this cap, so tasks with different caps share
     one compiled decode loop; each answer is then cut to its own task's cap (greedy decoding makes
     that the answer a run with the smaller cap would give).
+    The returned function's `share_shapes(samples, query_aware)` pads every later batch's questions
+    to the longest question among `samples`, so that tasks share one compiled program (a task with
+    long questions, such as niah_multikey_3's UUID keys, would otherwise compile every setting again).
     """
     tokenizer = model.tokenizer
+    shapes = {"question_tokens": 0}
     if tokenizer is None:
         raise ValueError(f"the model at {model.path} has no tokenizer: only the fidelity task can run on it")
 
@@ -70,7 +74,12 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
         # one decode length for every task (the loop stops when all rows have stopped): one compiled loop
         cap = max([min_new_tokens] + [s["max_new_tokens"] for s in samples])
         return contexts, questions, dict(prompts=contexts + contexts[-1:] * extra,
-                                         questions=questions + questions[-1:] * extra, max_new_tokens=cap)
+                                         questions=questions + questions[-1:] * extra, max_new_tokens=cap,
+                                         question_tokens=shapes["question_tokens"])
+
+    def share_shapes(samples: list[dict[str, Any]], query_aware: bool) -> None:
+        _, questions = _split_ids(samples, tokenizer, query_aware)
+        shapes["question_tokens"] = max([len(q) for q in questions], default=0)
 
     def generate_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
                     budget: int | None, query_aware: bool) -> list[dict[str, Any]]:
@@ -93,6 +102,7 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
         return [out if isinstance(out, Exception) else _outputs(out, samples, contexts, questions) for out in outs]
 
     generate_fn.many = many
+    generate_fn.share_shapes = share_shapes
     return generate_fn
 
 

@@ -136,12 +136,14 @@ def plot_scores(path: pathlib.Path, summary: Sequence[dict[str, Any]], tasks: Se
             by_policy[st.policy_name].append((float(x), avg[(st.policy_name, st.label)]))
     if not by_policy and full is None:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, pts in sorted(by_policy.items()):
+    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+    colors, markers, styles = plt.get_cmap("tab20").colors, "os^vDP*Xph<>", ("-", "--", ":")
+    for j, (name, pts) in enumerate(sorted(by_policy.items())):  # no two lines look alike, up to 20 policies
         pts = sorted(pts)
         if full is not None and not use_budget:
             pts = [(0.0, full)] + pts
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, color=colors[j % 20],
+                marker=markers[j % len(markers)], linestyle=styles[j // len(markers) % 3], markersize=4)
     if full is not None:
         ax.axhline(full, color="black", linestyle="--", linewidth=1, label="full cache")
     ax.set_xlabel("budget (tokens kept per KV head)" if use_budget else "compression ratio (fraction removed)")
@@ -150,7 +152,7 @@ def plot_scores(path: pathlib.Path, summary: Sequence[dict[str, Any]], tasks: Se
         ax.set_xscale("log", base=2)
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the plot, not over it
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

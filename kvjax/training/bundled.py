@@ -466,9 +466,13 @@ def plot_loss(logs: list[tuple[pathlib.Path, int]], out_png: pathlib.Path) -> li
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats)")
     ax2 = ax.twinx()
-    ax2.plot(steps, [r["answer_token_accuracy"] for r in rows], color="tab:orange", label="answer-token accuracy")
+    ax2.plot(steps, [r["answer_token_accuracy"] for r in rows], color="tab:green", label="answer-token accuracy",
+             alpha=0.8)
     ax2.set_ylabel("accuracy")
-    fig.legend(loc="upper right")
+    for _, offset in logs[1:]:  # where a phase starts
+        ax.axvline(offset, color="gray", linestyle="--", linewidth=0.8)
+    fig.legend(loc="upper center", ncol=3, fontsize="small")
+    fig.tight_layout(rect=(0, 0, 1, 0.92))
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
     plt.close(fig)
@@ -495,8 +499,9 @@ It is a test instrument for KV-cache eviction, not a language model.
   folder), tied embeddings, RoPE theta {cfg.rope_theta}, {cfg.max_position_embeddings} positions; {n_params:,} parameters
 - data: generated on the fly by `kvjax.eval.tasks` (suite `{conf['data']['suite']}`: RULER needle tasks and
   variable tracking), rendered with the chat template exactly as the evaluation renders them, at row lengths
-  {conf['data']['lengths']} tokens (first {curriculum}), batch {conf['data']['batch_size']}, seeds from
-  {conf['data']['seed']} (disjoint from the evaluation's), task weights {conf['data'].get('task_weights', {})}.
+  {conf['data']['lengths']} tokens{f" (first {curriculum})" if curriculum else ""}, batch {conf['data']['batch_size']}, seeds from
+  {conf['data']['seed']} (disjoint from the evaluation's), task weights {conf['data'].get('task_weights', {})}
+  (the last phase's data; each phase's config says what it changed).
   After its answer, each row holds further user turns asking about the other needles of its context
   (up to {conf['data'].get('drill_fraction', 0):.0%} of the row; values of several keys listed in {conf['data'].get('drill_order', 'query')} order),
   so one long context yields many retrieval targets.
@@ -506,11 +511,14 @@ It is a test instrument for KV-cache eviction, not a language model.
   of those list needle lines and ask for every value again, as needle lines or as the evaluation's answer sentences
   ({conf['data'].get('recall', {}).get('uuids', 0):.0%} of them with UUID values; {conf['data'].get('recall', {}).get('multi_value', 0):.0%} of their keys with 2-4 values);
   from step {conf['data'].get('more_recall', {}).get('from_step', 0)}, a further
-  {conf['data'].get('more_recall', {}).get('fraction', 0):.0%} of the task rows are such recall rows
+  {conf['data'].get('more_recall', {}).get('fraction', 0):.0%} of the task rows are such recall rows{
+  f"; vt rows hold {conf['data']['vt_chains']} more chains, each asked about after the answer"
+  if conf['data'].get('vt_chains') else ""}
 - loss: mean cross-entropy on the answer tokens + {conf['train'].get('context_weight', 0)} x mean cross-entropy on
   every other prompt token (language modelling of the prompts)
 - optimisation: AdamW, peak LR {optim.learning_rate}, warmup {optim.warmup_fraction:.0%}, cosine decay to
-  {optim.final_fraction:.0%}, weight decay {optim.weight_decay}, clip {optim.clip_norm}; {last.get('step', 0)} steps
+  {optim.final_fraction:.0%}, weight decay {optim.weight_decay}, clip {optim.clip_norm}; {last.get('step', 0)} steps in all
+{_phases_table(config_path, conf, earlier)}
 - final answer loss {last.get('answer_loss', last.get('loss', float('nan'))):.4f}, answer-token accuracy {last.get('answer_token_accuracy', float('nan')):.3f}
 - reproduce: {_reproduce(config_path, earlier)}
 
@@ -521,6 +529,15 @@ It is a test instrument for KV-cache eviction, not a language model.
 {_scores_section(scores)}
 """
     (out / "MODEL_CARD.md").write_text(text)
+
+
+def _phases_table(config_path: str, conf: dict[str, Any], earlier: dict[str, Any] | None) -> str:
+    """A Markdown table of the training phases: config, steps, peak learning rate, data seed."""
+    rows = ["| phase | config | steps | peak LR | data seed |", "|---:|---|---:|---:|---:|"]
+    phases = [(p["config"], yaml.safe_load(pathlib.Path(p["config"]).read_text())) for p in _chain(earlier)]
+    for j, (path, c) in enumerate(phases + [(config_path, conf)], start=1):
+        rows.append(f"| {j} | `{path}` | {c['optim']['steps']} | {c['optim']['learning_rate']} | {c['data']['seed']} |")
+    return "\n" + "\n".join(rows) + "\n"
 
 
 def _chain(earlier: dict[str, Any] | None) -> list[dict[str, Any]]:

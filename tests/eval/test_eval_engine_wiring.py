@@ -32,3 +32,35 @@ def test_cli_runs_kvjax_generate_end_to_end(tmp_path):
         assert f["stats"]["prompt_tokens"] <= 384 - 16
         # Half of the compressed part is kept (within a token of rounding).
         assert abs(s["stats"]["kept"] - f["stats"]["kept"] / 2) <= 1
+
+
+def test_share_shapes_pads_every_batch_to_the_longest_question(monkeypatch):
+    """After `share_shapes(all samples)`, each batch is generated with `question_tokens` equal to the
+    longest question of the run (in tokens), so tasks with short and long questions share programs."""
+    import types
+
+    import kvjax.engine
+    from kvjax.eval.engine import _split_ids, make_generate_fn
+    from kvjax.eval.tasks import generate_task
+    from kvjax.models.model import load_tokenizer
+
+    tokenizer = load_tokenizer(TOKENIZER_DIR)
+    short = generate_task("niah_single_1", tokenizer, 512, 2, seed=0)
+    long = generate_task("niah_multikey_3", tokenizer, 512, 2, seed=0)  # UUID keys: long questions
+    longest = max(len(q) for q in _split_ids(short + long, tokenizer, False)[1])
+    assert longest > max(len(q) for q in _split_ids(short, tokenizer, False)[1])
+    seen = []
+
+    def fake_generate_settings(model, prompts, settings, **kw):
+        seen.append(kw["question_tokens"])
+        return [ValueError("not run") for _ in settings]
+
+    monkeypatch.setattr(kvjax.engine, "generate_settings", fake_generate_settings)
+    fn = make_generate_fn(types.SimpleNamespace(tokenizer=tokenizer, path="fake"))
+    fn.many(short, settings=[types.SimpleNamespace(policy=None, budget=None, compression_ratio=None)],
+            query_aware=False)
+    fn.share_shapes(short + long, False)
+    for batch in (short, long):
+        fn.many(batch, settings=[types.SimpleNamespace(policy=None, budget=None, compression_ratio=None)],
+                query_aware=False)
+    assert seen == [0, longest, longest]
