@@ -229,9 +229,15 @@ class TaskBatches:
         drills = [d for d in needle_drills(sample, rng, self.drill_order) if not queried & set(d[3])]
         if not drills and reserve:
             sample = self._generate(task, length + slack, index)
+        return self._answered(sample, [(q, prefix, value) for q, prefix, value, _ in drills], length)
+
+    def _answered(self, sample: dict[str, Any], turns: list[tuple[str, str, str]],
+                  length: int) -> tuple[list[int], list[int]]:
+        """`sample` rendered and answered, then further (question, prefix, reply) turns while the row
+        has room; (token ids, target indices: every answer and reply token, each with its end token)."""
         prompt, answer = render(sample, self.tokenizer)
         ids, targets = prompt + answer, list(range(len(prompt), len(prompt) + len(answer)))
-        for question, prefix, value, _ in drills:
+        for question, prefix, value in turns:
             turn = self.tokenizer.encode(self.turn.format(question=question, prefix=prefix), add_special_tokens=False)
             reply = self.tokenizer.encode(value, add_special_tokens=False) + [self.tokenizer.eos_token_id]
             if len(ids) + len(turn) + len(reply) > length or len(targets) + len(reply) > MAX_TARGETS:
@@ -280,19 +286,9 @@ class TaskBatches:
                                                 [f"VAR {names[k + 1]} = VAR {names[k]} " for k in range(4)])):
                 lines[pos] = line
             chains.append((value, names))
-        prompt, answer = render({**sample, "context": ctx[:start] + "\n".join(lines)}, self.tokenizer)
-        ids, targets = prompt + answer, list(range(len(prompt), len(prompt) + len(answer)))
-        for value, names in chains:
-            turn = self.tokenizer.encode(self.turn.format(question=T.VT_QUESTION.format(query=value),
-                                                          prefix=T.VT_ANSWER_PREFIX.format(num_v=5, query=value)),
-                                         add_special_tokens=False)
-            reply = self.tokenizer.encode(" ".join(names), add_special_tokens=False) + [self.tokenizer.eos_token_id]
-            if len(ids) + len(turn) + len(reply) > length or len(targets) + len(reply) > MAX_TARGETS:
-                break
-            ids += turn
-            targets += range(len(ids), len(ids) + len(reply))
-            ids += reply
-        return ids, targets
+        turns = [(T.VT_QUESTION.format(query=value), T.VT_ANSWER_PREFIX.format(num_v=5, query=value), " ".join(names))
+                 for value, names in chains]
+        return self._answered({**sample, "context": ctx[:start] + "\n".join(lines)}, turns, length)
 
     def _user_turn(self, instruction: str) -> tuple[list[int], list[int]]:
         """Token ids of a chat user turn opening with `instruction`, before and after its content,
