@@ -1,20 +1,80 @@
-"""What prefill hands to a policy (see DESIGN.md, "Observations a policy may ask for")."""
+"""What a forward pass records for the eviction policies (DESIGN.md, "Observations a policy may ask for").
+
+`ObservationSpec` is the one description of *what* to record: policies declare it (inside their
+`Requirements`), the engine merges the specs of the policies that share a prefill, and the model's
+`extend` records exactly that and returns it as `Observations`.
+"""
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
 
 import jax
 from flax import struct
 
 
+@dataclasses.dataclass(frozen=True)
+class ObservationSpec:
+    """What `extend` records (static: part of the compiled shape).
+
+    window: > 0 records the post-RoPE queries of the last `window` real tokens of the chunk.
+    column_mass: records, per key, the attention mass all (valid, causal) queries put on it.
+    step_probs: records the attention probabilities of the chunk's last query over the cache slots.
+    """
+
+    window: int = 0
+    column_mass: bool = False
+    step_probs: bool = False
+
+    def merge(self, other: "ObservationSpec") -> "ObservationSpec":
+        """What both need: the wider window, and every recorded quantity of either."""
+        return ObservationSpec(
+            window=max(self.window, other.window),
+            column_mass=self.column_mass or other.column_mass,
+            step_probs=self.step_probs or other.step_probs,
+        )
+
+    @classmethod
+    def union(cls, specs: Iterable["ObservationSpec"]) -> "ObservationSpec":
+        out = cls()
+        for spec in specs:
+            out = out.merge(spec)
+        return out
+
+    def __bool__(self) -> bool:
+        return bool(self.window or self.column_mass or self.step_probs)
+
+
 @struct.dataclass
 class Observations:
-    """window_queries [L,B,Hq,w,D]: post-RoPE queries of the last w real prompt tokens of each row;
-    window_positions [B,w] int32: their absolute positions;
-    column_mass [L,B,Hkv,C] float32: attention mass that all causal prompt queries put on each slot
+    """What `extend` recorded (absent observations are None).
+
+    window_queries [L,B,Hq,w,D]: post-RoPE queries of the last w real tokens of each row;
+    window_positions [B,w] int32: their absolute positions (-1 where a row has fewer than w tokens);
+    column_mass [L,B,Hkv,C] float32: attention mass that all causal queries put on each slot
       (summed over the query group);
-    lengths [B] int32: real prompt lengths. Absent observations are None."""
+    step_probs [L,B,Hkv,G,C] float32: the last query's attention probabilities over the slots;
+    lengths [B] int32: real tokens per row in the chunk (the prompt lengths, for a prefill);
+    attn_scale: the model's softmax scale (static), for scorers that use the model's own scale.
+    """
 
     window_queries: jax.Array | None = None
     window_positions: jax.Array | None = None
     column_mass: jax.Array | None = None
+    step_probs: jax.Array | None = None
     lengths: jax.Array | None = None
+    attn_scale: float | None = struct.field(pytree_node=False, default=None)
+
+    def restrict(self, spec: ObservationSpec) -> "Observations":
+        """The observations a narrower `spec` asks for: the window cut to its last `spec.window`
+        queries, and quantities it does not ask for dropped."""
+        w = spec.window
+        q, p = self.window_queries, self.window_positions
+        if q is not None and q.shape[3] != w:
+            if w > q.shape[3]:
+                raise ValueError(f"observations hold a window of {q.shape[3]} queries; {w} were asked for")
+            q, p = (q[:, :, :, q.shape[3] - w:], p[:, p.shape[1] - w:]) if w else (None, None)
+        return self.replace(window_queries=q, window_positions=p,
+                            column_mass=self.column_mass if spec.column_mass else None,
+                            step_probs=self.step_probs if spec.step_probs else None)

@@ -10,17 +10,19 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import statistics
-import time
-
+from kvjax import policies
 from kvjax.bench._timing import header_lines, markdown_table
+from kvjax.engine import make_plan, steps
 from kvjax.models.config import ModelConfig
 from kvjax.models.export import init_params
+from kvjax.sampling import Sampler
 
 HELP = "prefill time with and without eviction scoring per policy, and their ratio"
 
@@ -47,8 +49,6 @@ def paired_medians(a, b, repeats: int) -> tuple[float, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from kvjax import policies
-
     parser.add_argument("--policies", default=",".join(policies.available()),
                         help="comma-separated presets (default: all of kvjax.policies.available())")
     parser.add_argument("--lengths", default="4096,16384", type=lambda s: [int(x) for x in s.split(",")],
@@ -65,9 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvjax import policies
-    from kvjax.engine import _compress, _prefill, make_plan, observe_for
-    from kvjax.sampling import Sampler
 
     cfg = bench_config(args)
     params = jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), init_params(cfg, jax.random.PRNGKey(0)))
@@ -79,13 +76,12 @@ def run(args: argparse.Namespace) -> int:
     for T in args.lengths:
         tokens = jnp.asarray(np.random.RandomState(T).randint(3, cfg.vocab_size, (1, T)), jnp.int32)
         positions = jnp.arange(T, dtype=jnp.int32)[None]
-        lengths = jnp.asarray([T], jnp.int32)
         key = jax.random.PRNGKey(0)
         common = dict(cfg=cfg, sampler=Sampler(), mesh=None)
 
         def full(params=params):
-            return _prefill(params, tokens, positions, lengths, key, capacity=T, observe=observe_for(None),
-                            rope_mode="original", **common)
+            return steps.prefill(params, tokens, positions, key, capacity=T, observe=steps.prefill_spec([None]),
+                                 rope_mode="original", **common)
 
         for name in names:
             policy = policies.get(name)
@@ -97,10 +93,10 @@ def run(args: argparse.Namespace) -> int:
                 continue
 
             def evict(params=params, plan=plan, policy=policy):
-                _, cache, obs, _ = _prefill(params, tokens, positions, lengths, key, capacity=T,
-                                            observe=observe_for(policy), rope_mode=policy.requirements().rope_mode,
-                                            **common)
-                return _compress(cache, obs, plan, policy=policy, capacity=T, mesh=None)
+                _, cache, obs, _ = steps.prefill(params, tokens, positions, key, capacity=T,
+                                                 observe=steps.prefill_spec([policy]), rope_mode=steps.rope_mode(policy),
+                                                 **common)
+                return steps.compress(cache, obs, plan, policy=policy, capacity=T, mesh=None)
 
             base, t = paired_medians(full, evict, args.repeats)
             rows.append([name, T, base * 1e3, t * 1e3, t / base, f"{(t - base) * 1e3:.1f} ms"])

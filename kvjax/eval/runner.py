@@ -20,7 +20,6 @@ The model is reached only through two injected callables, so that tests use fake
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import pathlib
 import time
@@ -28,45 +27,11 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from kvjax.engine import Setting
 from kvjax.eval.metrics import kl_divergence, score_prediction, top1_agreement
 
 GenerateFn = Callable[..., list[Any]]
 LogitsFn = Callable[..., list[Any]]
-
-
-@dataclasses.dataclass(frozen=True)
-class Setting:
-    """The full cache (policy None), or ``policy`` at exactly one of ``compression_ratio`` / ``budget``."""
-
-    policy: str | None
-    compression_ratio: float | None = None
-    budget: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.policy is None:
-            if self.compression_ratio is not None or self.budget is not None:
-                raise ValueError("the full-cache setting (policy=None) takes no compression_ratio or budget")
-            return
-        if (self.compression_ratio is None) == (self.budget is None):
-            raise ValueError(f"policy {self.policy!r} needs exactly one of compression_ratio or budget")
-        if self.compression_ratio is not None and not 0.0 <= self.compression_ratio < 1.0:
-            raise ValueError(f"compression_ratio must be in [0, 1), got {self.compression_ratio}")
-        if self.budget is not None and (not isinstance(self.budget, int) or self.budget <= 0):
-            raise ValueError(f"budget must be a positive int, got {self.budget!r}")
-
-    @property
-    def policy_name(self) -> str:
-        return "full" if self.policy is None else self.policy
-
-    @property
-    def label(self) -> str:
-        """``full``, ``r=0.5`` or ``C=128``."""
-        if self.policy is None:
-            return "full"
-        return f"r={self.compression_ratio:g}" if self.compression_ratio is not None else f"C={self.budget}"
-
-    def kwargs(self) -> dict[str, Any]:
-        return {"policy": self.policy, "compression_ratio": self.compression_ratio, "budget": self.budget}
 
 
 def make_settings(policies: Sequence[str], compression_ratios: Sequence[float] = (),

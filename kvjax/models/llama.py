@@ -14,7 +14,6 @@ Params pytree (weights stored `[in, out]`, layers stacked on a leading L axis):
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax
@@ -25,22 +24,12 @@ from kvjax.cache import KVCache
 from kvjax.kernels._common import masked_softmax, resolve_implementation
 from kvjax.models.config import ModelConfig
 from kvjax.models.rope import apply_rope, inverse_frequencies, rope_tables, slot_ranks
+from kvjax.observations import Observations, ObservationSpec
+
+# The spec of what `extend` records for the policies (kept under its historical name).
+Observe = ObservationSpec
 
 Params = dict[str, Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class Observe:
-    """What a forward pass records for the eviction policies (static: part of the compiled shape).
-
-    window: >0 records the post-RoPE queries at `window_index` (the last `window` real tokens).
-    column_mass: records, per key, the attention mass all (valid, causal) queries put on it.
-    step_probs: records the attention probabilities of each query head over the cache slots.
-    """
-
-    window: int = 0
-    column_mass: bool = False
-    step_probs: bool = False
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -112,27 +101,27 @@ def extend(
     positions: jax.Array,
     *,
     fresh: bool,
-    observe: Observe = Observe(),
-    window_index: jax.Array | None = None,
+    observe: ObservationSpec = ObservationSpec(),
     logit_index: jax.Array | None = None,
     slots: jax.Array | None = None,
     remat: bool = False,
     rope_mode: str = "original",
-) -> tuple[jax.Array, KVCache, dict[str, jax.Array]]:
+) -> tuple[jax.Array, KVCache, Observations]:
     """Runs `n` new tokens through the model, writing their keys/values into `cache`.
 
     tokens [B,n] int32; positions [B,n] int32 absolute positions (-1 = padding, never attended or kept).
     fresh: the cache is empty and the tokens go to slots 0..n-1 (a prefill); attention then reads
       only the new keys. Otherwise they go to each head's first free slots and attend to the cache.
       `cache=None` (fresh only) runs without a cache, as in training; the returned cache is None.
-    window_index [B,w]: indices into the n tokens whose queries are recorded when observe.window.
+    observe: what to record for the policies (`ObservationSpec`); window queries are those of the
+      last `observe.window` real tokens of each row (tokens are right-padded).
     logit_index [B,k]: indices of the tokens whose logits are returned (all tokens when None).
     slots [L,B,Hkv,n]: where the new tokens are written (default: `cache.write_slots(n)`).
     remat: rematerialise each layer in the backward pass (training).
     rope_mode: "original", or "cache_relative" (StreamingLLM): keys are cached un-rotated; a filled
       cache is attended with every kept key rotated at its rank among the kept slots of its head,
       and each new query at the rank of its own slot. A prefill is the same either way.
-    Returns logits [B,n or k,V] float32, the updated cache, and observations:
+    Returns logits [B,n or k,V] float32, the updated cache, and the `Observations` asked for:
       window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32.
     """
     B, n = tokens.shape
@@ -151,7 +140,10 @@ def extend(
         slots = cache.write_slots(n)
     C = n if cache is None else cache.capacity
     h = params["embed"][tokens].astype(dtype)
-    observe_any = bool(observe.window or observe.column_mass or observe.step_probs)
+    observe_any = bool(observe)
+    n_real = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
+    window_pos = n_real[:, None] - observe.window + jnp.arange(observe.window)  # [B, w]
+    window_index = jnp.maximum(window_pos, 0)
 
     def layer(carry, xs):
         h, ck, cv, cpos, cvalid = carry
@@ -241,4 +233,8 @@ def extend(
     h = rms_norm(h, params["final_norm"], eps)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     logits = jnp.einsum("bne,ev->bnv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
-    return logits, cache, obs
+    observations = Observations(
+        window_queries=obs.get("window_queries"),
+        window_positions=jnp.where(window_pos >= 0, window_pos, -1) if observe.window else None,
+        column_mass=obs.get("column_mass"), step_probs=obs.get("step_probs"), lengths=n_real, attn_scale=scale)
+    return logits, cache, observations

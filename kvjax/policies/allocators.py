@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import KVCache
+from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.base import (
     Plan,
     Requirements,
@@ -75,7 +76,7 @@ class Allocator:
     ) -> Allocation:
         raise NotImplementedError
 
-    def head_counts(self, plan: Plan, scored: Scored, cache: Any, obs: Any, protect: int) -> jax.Array:
+    def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
         """Per-head kept counts [L,B,Hkv] int32 (protected tokens included)."""
         counts = as_i32(plan.counts)
         return jnp.broadcast_to(counts[:, :, None], cache.valid.shape[:3])
@@ -235,7 +236,7 @@ class Ada(Allocator):
             if self.rule == "kvpress":
                 n_kept = min(c, t)
                 n_safe = int(n_kept * self.alpha)
-                if compat == "main" and n_kept > 0:
+                if compat != "0.5.4" and n_kept > 0:
                     n_safe = max(1, n_safe)
                 compress = n_kept < t
                 rc, re = [n_kept] * num_layers, [n_safe if compress else -1] * num_layers
@@ -261,7 +262,7 @@ class Ada(Allocator):
             counts.append(rc), extra.append(re), bound.append(rb)
         return _make(counts, extra, bound, lengths)
 
-    def head_counts(self, plan: Plan, scored: Scored, cache: Any, obs: Any, protect: int) -> jax.Array:
+    def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
         L, B, H, C = cache.valid.shape
         counts, extra = as_i32(plan.counts), as_i32(plan.extra)
         lengths = as_i32(plan.lengths)
@@ -308,7 +309,7 @@ def _top_share(s: jax.Array, cand: jax.Array, bp: jax.Array) -> jax.Array:
 
 
 def cake_statistics(
-    obs: Any, cache: Any, lengths: jax.Array, window: int, scale: float
+    obs: Observations, cache: KVCache, lengths: jax.Array, window: int, scale: float
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """CAKE's per-layer statistics over A°, the window attention on non-window keys (§8).
 
@@ -379,7 +380,7 @@ class Cake(Allocator):
             raise TypeError(f"parity must be a bool, got {self.parity!r}")
 
     def requirements(self) -> Requirements:
-        return Requirements(window=self.window)
+        return Requirements(observe=ObservationSpec(window=self.window))
 
     def clip_bound(self, length: int, budget: int, protect: int) -> int:
         if self.parity:
@@ -418,7 +419,7 @@ class Cake(Allocator):
         share = jax.nn.softmax(lp, axis=0)
         return cake_adjust_budgets(share * total[None].astype(jnp.float32), total, jnp.maximum(clip, 0))
 
-    def head_counts(self, plan: Plan, scored: Scored, cache: Any, obs: Any, protect: int) -> jax.Array:
+    def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
         log_pref = scored.aux.get("cake_log_pref")
         if log_pref is None:
             lengths = as_i32(plan.lengths)
@@ -427,7 +428,7 @@ class Cake(Allocator):
             log_pref = cake_log_preference(ent, var, self.tau1, self.tau2)
         return self.kept_from_budgets(plan, self.layer_budgets(plan, log_pref, protect), scored.protected, cache)
 
-    def kept_from_budgets(self, plan: Plan, budgets: jax.Array, protected: jax.Array, cache: Any) -> jax.Array:
+    def kept_from_budgets(self, plan: Plan, budgets: jax.Array, protected: jax.Array, cache: KVCache) -> jax.Array:
         clip, lengths = as_i32(plan.extra), as_i32(plan.lengths)
         kept = jnp.clip(budgets, 0, jnp.maximum(clip, 0))[..., None] + (protected & cache.valid).sum(-1)
         return jnp.where((clip >= 0)[..., None], kept, lengths[None, :, None]).astype(jnp.int32)

@@ -3,10 +3,12 @@
 The engine calls, in order (shapes: L layers, B rows, Hkv KV heads, C slots, G = Hq // Hkv):
 
     plan  = policy.plan(lengths, L, Hkv, budget=..., compression_ratio=..., max_new_tokens=...)  # host
-    keep, slot_state = policy.prefill_keep(plan, cache, obs)             # jit; keep [L,B,Hkv,C] bool
-    cache, src = cache.compact(keep, plan.capacity)                      # (or cache.evict(keep))
-    state = policy.init_decode(plan, cache, gather_slots(slot_state, src))
-    each step t = 1, 2, ...: write the token, attend with the un-evicted cache, then
+    cache, state = compress_prefill(policy, plan, cache, obs, capacity=...)                       # jit:
+        keep, slot_state = policy.prefill_keep(plan, cache, obs)         # keep [L,B,Hkv,C] bool
+        cache, src = cache.compact(keep, plan.capacity)                  # (or cache.evict(keep))
+        state = policy.init_decode(plan, cache, gather_slots(slot_state, src))
+    each step t = 1, 2, ...: write the token, attend with the un-evicted cache, then, for policies
+    whose requirements() say decode_eviction:
     state, keep = policy.decode_update(plan, state, cache, step_probs, written, t); cache = cache.evict(keep)
 """
 
@@ -21,7 +23,13 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-KVPRESS_COMPAT = ("0.5.4", "main")
+from kvjax.cache import KVCache, gather_slots
+from kvjax.observations import Observations, ObservationSpec
+
+# kvpress versions whose budget arithmetic a policy can follow (policies.md §1.1): 0.5.4 computes
+# n_kept = int(T*(1-r)); 0.5.5 and main keep at least one entry, max(1, int(T*(1-r))), and clamp
+# Ada-KV's per-head safeguard to max(1, n_safe).
+KVPRESS_COMPAT = ("0.5.4", "0.5.5", "main")
 
 
 # ----------------------------------------------------------------------------- protocol types
@@ -29,30 +37,26 @@ KVPRESS_COMPAT = ("0.5.4", "main")
 
 @dataclasses.dataclass(frozen=True)
 class Requirements:
-    """What prefill must observe for a policy.
+    """What a policy needs from the model and the decode loop.
 
-    window: number of trailing real prompt tokens whose post-RoPE queries are kept (0 = none).
-    column_mass: whether the attention mass of all causal prompt queries per key is needed.
-    step_probs: whether decoding must hand `decode_update` the step's attention probabilities
-      (decode-time policies); False means `decode_update` need not be called at all.
-    lookahead: number of learned lookahead queries (reserved for LookaheadKV scorers).
+    observe: what the prefill (and each decode step) must record (`ObservationSpec`: window
+      queries, column mass, step probabilities).
+    decode_eviction: whether the policy evicts while decoding, i.e. `decode_update` runs after
+      every step's attention (it receives the step probabilities only if `observe.step_probs`).
     rope_mode: "original" (keys keep their rotation at their original position) or
       "cache_relative" (StreamingLLM: keys are cached un-rotated and rotated at their rank among
       the kept entries at every step; the query at its own rank).
     """
 
-    window: int = 0
-    column_mass: bool = False
-    step_probs: bool = False
-    lookahead: int = 0
+    observe: ObservationSpec = ObservationSpec()
+    decode_eviction: bool = False
     rope_mode: str = "original"
 
     def merge(self, other: "Requirements") -> "Requirements":
+        """A scorer's and an allocator's needs together."""
         return Requirements(
-            window=max(self.window, other.window),
-            column_mass=self.column_mass or other.column_mass,
-            step_probs=self.step_probs or other.step_probs,
-            lookahead=max(self.lookahead, other.lookahead),
+            observe=self.observe.merge(other.observe),
+            decode_eviction=self.decode_eviction or other.decode_eviction,
             rope_mode=self.rope_mode if self.rope_mode != "original" else other.rope_mode,
         )
 
@@ -95,7 +99,8 @@ class Policy:
 
     query_aware: whether the eval compresses the prompt with the question (paper presets) or the
       context alone (kvpress presets, policies.md §1.3). Read by the engine, not by the policy.
-    kvpress_compat: "0.5.4" (plain int(T*(1-r))) or "main" (max(1, ...)), policies.md §1.1.
+    kvpress_compat: "0.5.4" (plain int(T*(1-r))), or "0.5.5" / "main" (max(1, int(T*(1-r)))),
+      policies.md §1.1; the *_kvpress presets follow 0.5.5.
     """
 
     name: ClassVar[str] = "policy"
@@ -110,7 +115,7 @@ class Policy:
     @property
     def decode_time(self) -> bool:
         """Whether the policy evicts during decoding."""
-        return self.requirements().step_probs
+        return self.requirements().decode_eviction
 
     def requirements(self) -> Requirements:
         return Requirements()
@@ -145,18 +150,41 @@ class Policy:
     def build_plan(self, req: "PlanRequest") -> Plan:
         raise NotImplementedError
 
-    def prefill_keep(self, plan: Plan, cache: Any, obs: Any) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
         raise NotImplementedError
 
-    def init_decode(self, plan: Plan, cache: Any, slot_state: Any) -> Any:
+    def init_decode(self, plan: Plan, cache: KVCache, slot_state: Any) -> Any:
         """Decode state after compaction; prefill-only policies carry none."""
         return ()
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: Any, step_probs: jax.Array, written: jax.Array, t: jax.Array
+        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
     ) -> tuple[Any, jax.Array]:
         """Prefill-only policies never evict during decoding."""
         return state, cache.valid
+
+
+def compress_prefill(
+    policy: Policy, plan: Plan, cache: KVCache, obs: Observations, *, capacity: int
+) -> tuple[KVCache, Any]:
+    """The prefill eviction sequence on a full cache: the policy's keep mask, the compacted (or
+    masked) cache, its per-slot state moved with the slots, and the policy's decode state.
+
+    obs may hold more than the policy asked for (a prefill shared by several policies records the
+    union): it is restricted to the policy's own window first. `capacity`: the least number of
+    slots per head the returned cache must have when the plan does not compact it (decode room).
+    """
+    obs = obs.restrict(policy.requirements().observe)
+    keep, slot_state = policy.prefill_keep(plan, cache, obs)
+    if plan.compact:
+        cache, src = cache.compact(keep, plan.capacity)
+        if slot_state is not None:
+            slot_state = jax.tree.map(lambda x: gather_slots(x, src), slot_state)
+    else:
+        cache = cache.evict(keep)
+        if cache.capacity < capacity:
+            cache, _ = cache.compact(cache.valid, capacity)
+    return cache, policy.init_decode(plan, cache, slot_state)
 
 
 # ----------------------------------------------------------------------------- validation
@@ -280,7 +308,7 @@ class PlanRequest:
 def kvpress_n_kept(length: int, ratio: float, compat: str = "0.5.4") -> int:
     """kvpress's `int(T * (1 - r))`, in Python float64 and in that order (policies.md §1.1)."""
     n = int(length * (1 - ratio))
-    if compat == "main":
+    if compat != "0.5.4":
         return max(1, n) if ratio < 1 else 0
     return n
 

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import KVCache
+from kvjax.observations import Observations
 from kvjax.policies.base import Plan, check_int
 from kvjax.policies.prefill import PrefillPolicy
 from kvjax.policies.scoring import Scored
@@ -47,7 +48,7 @@ class Random(PrefillPolicy):
         if self.seed >= 2**32:
             raise ValueError(f"seed must be < 2**32 (a uint32 hash key), got {self.seed}")
 
-    def score(self, plan: Plan, cache: Any, obs: Any) -> Scored:
+    def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
         L, B, H, C = cache.valid.shape
         layer = jnp.arange(L)[:, None, None, None]
         head = jnp.arange(H)[None, None, :, None]

@@ -9,7 +9,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.policies.allocators import Allocation, Allocator, Cake, cake_log_preference, cake_statistics
+from kvjax.cache import KVCache
+from kvjax.observations import Observations, ObservationSpec
+from kvjax.policies.allocators import (
+    Allocation,
+    Allocator,
+    Cake,
+    cake_log_preference,
+    cake_statistics,
+)
 from kvjax.policies.base import (
     Plan,
     PlanRequest,
@@ -86,7 +94,8 @@ class CAKE(PrefillPolicy):
         return self.window
 
     def scorer_requirements(self) -> Requirements:
-        return Requirements(window=self.window, step_probs=self.decode)
+        return Requirements(observe=ObservationSpec(window=self.window, step_probs=self.decode),
+                            decode_eviction=self.decode)
 
     def finish_plan(self, req: PlanRequest, alloc: Allocation) -> Plan:
         """Decode: capacity hh_l + w + 1; decode_budget = C for rows left whole, -1 for the
@@ -110,7 +119,7 @@ class CAKE(PrefillPolicy):
             evicts=alloc.evicts,
         )
 
-    def score(self, plan: Plan, cache: Any, obs: Any) -> Scored:
+    def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
         lengths = as_i32(plan.lengths)
         scale = attention_scale(obs, cache.k.shape[-1], self.use_model_scale)
         ent, var_sum, mean, var, cand = cake_statistics(obs, cache, lengths, self.window, scale)
@@ -122,7 +131,7 @@ class CAKE(PrefillPolicy):
         prot = window_protected(cache.pos, cache.valid, lengths, self.window)
         return Scored(jnp.where(cand, ind, 0.0), prot, aux)
 
-    def init_decode(self, plan: Plan, cache: Any, slot_state: Any) -> Any:
+    def init_decode(self, plan: Plan, cache: KVCache, slot_state: Any) -> Any:
         """hh_l + w per (layer, row): the entries kept after prefill, or C where nothing was evicted."""
         if not self.decode:
             return ()
@@ -131,7 +140,7 @@ class CAKE(PrefillPolicy):
         return {"limit": jnp.where(fixed >= 0, fixed, kept)}
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: Any, step_probs: jax.Array, written: jax.Array, t: jax.Array
+        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
     ) -> tuple[Any, jax.Array]:
         if not self.decode:
             return state, cache.valid

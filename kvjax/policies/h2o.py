@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import KVCache
+from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.base import (
     Plan,
     PlanRequest,
@@ -49,9 +51,9 @@ class H2OPrefill(PrefillPolicy):
         return self.window
 
     def scorer_requirements(self) -> Requirements:
-        return Requirements(column_mass=True)
+        return Requirements(observe=ObservationSpec(column_mass=True))
 
-    def score(self, plan: Plan, cache: Any, obs: Any) -> Scored:
+    def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
         lengths = as_i32(plan.lengths)
         t = lengths[None, :, None, None]
         s = obs.column_mass.astype(jnp.float32)
@@ -82,7 +84,7 @@ class H2O(Policy):
             check_int("recent", self.recent, 0)
 
     def requirements(self) -> Requirements:
-        return Requirements(column_mass=True, step_probs=True)
+        return Requirements(observe=ObservationSpec(column_mass=True, step_probs=True), decode_eviction=True)
 
     def build_plan(self, req: PlanRequest) -> Plan:
         lengths, num_layers = req.lengths, req.num_layers
@@ -102,20 +104,20 @@ class H2O(Policy):
             evicts=any(c < t for c, t in zip(budgets, lengths)),
         )
 
-    def _keep(self, plan: Plan, acc: jax.Array, cache: Any, counts: jax.Array) -> jax.Array:
+    def _keep(self, plan: Plan, acc: jax.Array, cache: KVCache, counts: jax.Array) -> jax.Array:
         recent = recent_mask(cache.pos, cache.valid, as_i32(plan.extra)[..., None])
         return select(acc, cache.valid, counts, pos=cache.pos, protected=recent)
 
-    def prefill_keep(self, plan: Plan, cache: Any, obs: Any) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
         acc = jnp.where(cache.valid, obs.column_mass.astype(jnp.float32), 0.0)
         keep = self._keep(plan, acc, cache, as_i32(plan.counts)[..., None])
         return keep, {"acc": acc}
 
-    def init_decode(self, plan: Plan, cache: Any, slot_state: Any) -> Any:
+    def init_decode(self, plan: Plan, cache: KVCache, slot_state: Any) -> Any:
         return {"acc": jnp.where(cache.valid, slot_state["acc"], 0.0)}
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: Any, step_probs: jax.Array, written: jax.Array, t: jax.Array
+        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
     ) -> tuple[Any, jax.Array]:
         """acc += group sum of step_probs [L,B,Hkv,G,C]; evict down to budget where over it."""
         fresh = jnp.arange(cache.valid.shape[-1]) == written[..., None]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import KVCache
+from kvjax.observations import Observations
 from kvjax.policies.allocators import Allocation
 from kvjax.policies.base import Plan, PlanRequest, as_i32, check_int
 from kvjax.policies.prefill import PrefillPolicy
@@ -43,12 +44,12 @@ class KNorm(PrefillPolicy):
         )
         return Allocation(counts, alloc.extra, bound, evicts)
 
-    def head_counts(self, plan: Plan, scored: Scored, cache: Any, obs: Any) -> jax.Array:
+    def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations) -> jax.Array:
         counts = super().head_counts(plan, scored, cache, obs)
         skipped = jnp.isin(jnp.arange(counts.shape[0]), jnp.asarray(self.skip_layers or (-1,)))
         return jnp.where(skipped[:, None, None], as_i32(plan.lengths)[None, :, None], counts)
 
-    def score(self, plan: Plan, cache: Any, obs: Any) -> Scored:
+    def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
         k = cache.k.astype(jnp.float32)
         s = -jnp.sqrt(jnp.sum(k * k, axis=-1))
         return Scored(jnp.where(cache.valid, s, 0.0), jnp.zeros_like(cache.valid), {})

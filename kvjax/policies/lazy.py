@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import KVCache
+from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.base import (
     Plan,
     PlanRequest,
@@ -57,7 +59,7 @@ class LazyEviction(Policy):
         check_float("alpha", self.alpha, 0.0, 1.0, lo_open=True)
 
     def requirements(self) -> Requirements:
-        return Requirements(step_probs=True)
+        return Requirements(observe=ObservationSpec(step_probs=True), decode_eviction=True)
 
     def build_plan(self, req: PlanRequest) -> Plan:
         lengths, num_layers = req.lengths, req.num_layers
@@ -74,15 +76,15 @@ class LazyEviction(Policy):
             evicts=False,
         )
 
-    def prefill_keep(self, plan: Plan, cache: Any, obs: Any) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
         return cache.valid, None
 
-    def init_decode(self, plan: Plan, cache: Any, slot_state: Any) -> Any:
+    def init_decode(self, plan: Plan, cache: KVCache, slot_state: Any) -> Any:
         zeros = jnp.zeros(cache.valid.shape, jnp.int32)
         return {"ts": zeros, "mri": zeros}
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: Any, step_probs: jax.Array, written: jax.Array, t: jax.Array
+        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
     ) -> tuple[Any, jax.Array]:
         t = jnp.asarray(t, jnp.int32)
         fresh = jnp.arange(cache.valid.shape[-1]) == written[..., None]

@@ -7,8 +7,18 @@ from typing import Any
 
 import jax
 
+from kvjax.cache import KVCache
+from kvjax.observations import Observations
 from kvjax.policies.allocators import RULES, Allocation, Allocator, Uniform
-from kvjax.policies.base import Plan, PlanRequest, Policy, Requirements, check_choice, check_protected, select
+from kvjax.policies.base import (
+    Plan,
+    PlanRequest,
+    Policy,
+    Requirements,
+    check_choice,
+    check_protected,
+    select,
+)
 from kvjax.policies.scoring import Scored
 
 
@@ -39,7 +49,7 @@ class PrefillPolicy(Policy):
     def scorer_requirements(self) -> Requirements:
         return Requirements()
 
-    def score(self, plan: Plan, cache: Any, obs: Any) -> Scored:
+    def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
         raise NotImplementedError
 
     def check_lengths(self, lengths: tuple[int, ...]) -> None:
@@ -76,11 +86,11 @@ class PrefillPolicy(Policy):
         kept = max(max(row) for row in alloc.bound)
         return req.finish(alloc.counts, extra=alloc.extra, capacity=kept + req.max_new_tokens, evicts=alloc.evicts)
 
-    def head_counts(self, plan: Plan, scored: Scored, cache: Any, obs: Any) -> jax.Array:
+    def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations) -> jax.Array:
         """Kept entries per (layer, row, head) [L,B,Hkv] int32, protected tokens included."""
         return self.budget_allocator().head_counts(plan, scored, cache, obs, self.protected_count())
 
-    def prefill_keep(self, plan: Plan, cache: Any, obs: Any) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
         """keep [L,B,Hkv,C] bool: per head the protected slots, then the best-scored ones."""
         scored = self.score(plan, cache, obs)
         counts = self.head_counts(plan, scored, cache, obs)

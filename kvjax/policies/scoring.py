@@ -8,12 +8,14 @@ positions.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import KVCache
 from kvjax.kernels import window_scores
+from kvjax.observations import Observations
 from kvjax.policies.base import check_choice
 
 POOLINGS = ("max", "avg", "none")
@@ -25,7 +27,7 @@ def group_reduce_fn(x: jax.Array, how: str, axis: int) -> jax.Array:
     return {"mean": jnp.mean, "max": jnp.max, "sum": jnp.sum}[how](x, axis=axis)
 
 
-def attention_scale(obs: Any, head_dim: int, use_model_scale: bool) -> float:
+def attention_scale(obs: Observations, head_dim: int, use_model_scale: bool) -> float:
     """The model's attention scale when the observations carry one (`attn_scale`), else 1/sqrt(d)."""
     scale = getattr(obs, "attn_scale", None) if use_model_scale else None
     return float(scale) if scale is not None else head_dim**-0.5
@@ -34,7 +36,7 @@ def attention_scale(obs: Any, head_dim: int, use_model_scale: bool) -> float:
 def window_moments(
     queries: jax.Array,
     query_positions: jax.Array,
-    cache: Any,
+    cache: KVCache,
     *,
     scale: float,
     group_reduce: str | None,
@@ -61,7 +63,7 @@ def window_moments(
     return {k: v.astype(jnp.float32).reshape((L, B) + v.shape[1:]) for k, v in out.items()}
 
 
-def last_window(obs: Any, w: int) -> tuple[jax.Array, jax.Array]:
+def last_window(obs: Observations, w: int) -> tuple[jax.Array, jax.Array]:
     """The last `w` window queries [L,B,Hq,w,D] and their positions [B,w] from the observations."""
     q, p = obs.window_queries, obs.window_positions
     if q.shape[3] < w:

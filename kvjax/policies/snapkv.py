@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax.numpy as jnp
 
+from kvjax.cache import KVCache
+from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.allocators import Ada, Allocator, Pyramid
 from kvjax.policies.base import (
     Plan,
@@ -67,7 +68,7 @@ class SnapKV(PrefillPolicy):
         return self.window
 
     def scorer_requirements(self) -> Requirements:
-        return Requirements(window=self.window)
+        return Requirements(observe=ObservationSpec(window=self.window))
 
     def check_lengths(self, lengths: tuple[int, ...]) -> None:
         if self.rule == "kvpress" and min(lengths) <= self.window:
@@ -76,7 +77,7 @@ class SnapKV(PrefillPolicy):
                 f"(kvpress asserts T > w); the shortest has {min(lengths)} tokens"
             )
 
-    def score(self, plan: Plan, cache: Any, obs: Any) -> Scored:
+    def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
         w = self.window
         lengths = as_i32(plan.lengths)
         q, qpos = last_window(obs, w)

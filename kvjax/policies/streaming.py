@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import KVCache
+from kvjax.observations import Observations
 from kvjax.policies.allocators import RULES
 from kvjax.policies.base import (
     Plan,
@@ -51,7 +53,7 @@ class StreamingLLM(Policy):
         check_choice("rule", self.rule, RULES)
 
     def requirements(self) -> Requirements:
-        return Requirements(step_probs=self.decode, rope_mode=self.rope_mode)
+        return Requirements(decode_eviction=self.decode, rope_mode=self.rope_mode)
 
     def build_plan(self, req: PlanRequest) -> Plan:
         lengths, num_layers = req.lengths, req.num_layers
@@ -69,15 +71,15 @@ class StreamingLLM(Policy):
             evicts=any(c < t for c, t in zip(counts, lengths)),
         )
 
-    def _keep(self, cache: Any, counts: jax.Array) -> jax.Array:
+    def _keep(self, cache: KVCache, counts: jax.Array) -> jax.Array:
         sinks = cache.valid & (cache.pos < self.n_sink)
         return select(cache.pos.astype(jnp.float32), cache.valid, counts, pos=cache.pos, protected=sinks)
 
-    def prefill_keep(self, plan: Plan, cache: Any, obs: Any) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
         return self._keep(cache, as_i32(plan.counts)[..., None]), None
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: Any, step_probs: jax.Array, written: jax.Array, t: jax.Array
+        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
     ) -> tuple[Any, jax.Array]:
         if not self.decode:
             return state, cache.valid

@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from kvjax.cache import KVCache
+from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.allocators import RULES
 from kvjax.policies.base import (
     Plan,
@@ -48,7 +50,7 @@ class TOVA(Policy):
         check_bool("use_model_scale", self.use_model_scale)
 
     def requirements(self) -> Requirements:
-        return Requirements(window=1, step_probs=self.decode)
+        return Requirements(observe=ObservationSpec(window=1, step_probs=self.decode), decode_eviction=self.decode)
 
     def build_plan(self, req: PlanRequest) -> Plan:
         lengths, num_layers = req.lengths, req.num_layers
@@ -63,14 +65,14 @@ class TOVA(Policy):
             evicts=any(c < t for c, t in zip(counts, lengths)),
         )
 
-    def prefill_scores(self, plan: Plan, cache: Any, obs: Any) -> jax.Array:
+    def prefill_scores(self, plan: Plan, cache: KVCache, obs: Observations) -> jax.Array:
         """Mean over all query heads of the last prompt query's probabilities, [L,B,Hkv,C]."""
         q, qpos = last_window(obs, 1)
         scale = attention_scale(obs, cache.k.shape[-1], self.use_model_scale)
         m = window_moments(q, qpos, cache, scale=scale, group_reduce="mean", moments=("sum",))["sum"]
         return jnp.broadcast_to(m.mean(2, keepdims=True), m.shape)
 
-    def prefill_keep(self, plan: Plan, cache: Any, obs: Any) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
         s = self.prefill_scores(plan, cache, obs)
         prot = None
         if self.protect_last:
@@ -79,7 +81,7 @@ class TOVA(Policy):
         return select(s, cache.valid, counts, pos=cache.pos, protected=prot), None
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: Any, step_probs: jax.Array, written: jax.Array, t: jax.Array
+        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
     ) -> tuple[Any, jax.Array]:
         if not self.decode:
             return state, cache.valid

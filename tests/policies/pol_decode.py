@@ -1,4 +1,4 @@
-"""A miniature engine for decode-time tests: prefill keep -> compact -> scan of (write, probs, update, evict).
+"""A miniature engine for decode-time tests: the engine's `compress_prefill`, then a scan of (write, probs, update, evict).
 
 Step probabilities come from a hash of (step, layer, row, query head, position), so they are
 reproducible and independent of slot order; softmax over the valid slots per query head.
@@ -11,7 +11,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import gather_slots
+from kvjax.policies.base import compress_prefill
 
 
 def _mix(x):
@@ -44,17 +44,6 @@ def step_probs(t, cache, num_q_per_kv, seed, sharpness):
     return p / p.sum(-1, keepdims=True)
 
 
-def prefill(policy, plan, cache, obs):
-    keep, slot_state = policy.prefill_keep(plan, cache, obs)
-    if plan.compact:
-        cache, src = cache.compact(keep, plan.capacity)
-        if slot_state is not None:
-            slot_state = jax.tree.map(lambda x: gather_slots(x, src), slot_state)
-    else:
-        cache, _ = cache.evict(keep).compact(keep, plan.capacity)
-    return cache, policy.init_decode(plan, cache, slot_state)
-
-
 @functools.partial(
     jax.jit, static_argnames=("policy", "plan", "steps", "record", "group", "seed", "sharpness", "question")
 )
@@ -66,7 +55,7 @@ def run_decode(policy, plan, cache, obs, *, steps, group, record=False, seed=0, 
     written [steps,L,B,Hkv], keep [steps,L,B,Hkv,C]. written [steps,L,B,Hkv]: entries right after
     each write (a write into a full cache would overwrite a slot and not add one).
     """
-    cache, state = prefill(policy, plan, cache, obs)
+    cache, state = compress_prefill(policy, plan, cache, obs, capacity=plan.capacity)
     lengths = jnp.asarray(plan.lengths, jnp.int32)
     L, B, H, C, D = cache.k.shape
     new = jnp.full((L, B, H, 1, D), 0.5, cache.k.dtype)

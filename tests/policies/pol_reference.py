@@ -18,7 +18,7 @@ D = 8
 
 def n_kept(T: int, r: float, compat: str = "0.5.4") -> int:
     n = int(T * (1 - r))
-    return max(1, n) if compat == "main" else n
+    return max(1, n) if compat != "0.5.4" else n
 
 
 def pyramid_paper(T, C, w, L, beta):
@@ -167,7 +167,7 @@ def ada_kvpress(full_scores, protected, n, alpha, compat="0.5.4"):
     """full_scores [Hkv, T] (protected positions ranked first), n = n_kept -> per-head counts."""
     H, T = full_scores.shape
     n_safe = int(n * alpha)
-    if compat == "main" and n > 0:
+    if compat != "0.5.4" and n > 0:
         n_safe = max(1, n_safe)
 
     def key(h, j):

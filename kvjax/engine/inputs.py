@@ -1,0 +1,182 @@
+"""Host-side inputs of the engine: prompt encoding and validation, length buckets, padding.
+
+Prompts are right-padded to a length bucket; row b's prompt sits at positions 0..len_b-1 and
+padding is marked by position -1. Buckets bound the number of compiled shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kvjax.models.model import Model
+from kvjax.sampling import Sampler
+from kvjax.sharding import logical_sharding
+
+BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+MIN_QUESTION_BUCKET = 64
+# max_new_tokens is rounded up to one of these for the compiled shapes (the loop stops at the real limit)
+STEP_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def bucket_length(n: int, buckets: Sequence[int] = BUCKETS) -> int:
+    """The smallest bucket >= n (multiples of the largest bucket beyond it)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    top = buckets[-1]
+    return -(-n // top) * top
+
+
+def encode_prompts(model: Model, prompts: Any, *, chat_template: bool = False, what: str = "prompts") -> list[list[int]]:
+    """Strings (tokenized, optionally chat-templated) or token-id sequences -> lists of ids."""
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, np.ndarray) and prompts.ndim == 2:
+        prompts = list(prompts)
+    if not isinstance(prompts, Sequence) and not isinstance(prompts, np.ndarray) or len(prompts) == 0:
+        raise ValueError(f"{what} must be a non-empty list of strings or of token-id sequences")
+    vocab = model.config.vocab_size
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, str):
+            tok = model.tokenizer
+            if tok is None:
+                raise ValueError(f"{what}[{i}] is a string, but the model at {model.path} has no tokenizer: pass token ids")
+            if chat_template:
+                ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+            else:
+                ids = tok(p)["input_ids"]
+        else:
+            if chat_template:
+                raise ValueError("chat_template=True needs string prompts, not token ids")
+            arr = np.asarray(p)
+            if arr.size == 0:
+                raise ValueError(f"{what}[{i}] is empty")
+            if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer):
+                raise TypeError(f"{what}[{i}] must be a string or a 1-D sequence of int token ids, got {arr.dtype} {arr.shape}")
+            ids = arr.tolist()
+        if len(ids) == 0:
+            raise ValueError(f"{what}[{i}] is empty")
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"{what}[{i}] has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        out.append(list(ids))
+    return out
+
+
+def pad_rows(rows: list[list[int]], length: int, pad_id: int, offsets: np.ndarray | None = None
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Right-pads to `length`: tokens [B, length] and positions [B, length] (-1 on padding).
+
+    offsets [B]: the position of each row's first token (a chunk fed after a prompt), default 0.
+    """
+    tokens = np.full((len(rows), length), pad_id, np.int32)
+    positions = np.full((len(rows), length), -1, np.int32)
+    for b, r in enumerate(rows):
+        start = 0 if offsets is None else int(offsets[b])
+        tokens[b, : len(r)] = r
+        positions[b, : len(r)] = np.arange(start, start + len(r))
+    return tokens, positions
+
+
+def put_batch(mesh: jax.sharding.Mesh | None, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
+    """Host arrays -> device arrays, the batch axis sharded over `data` when a mesh is given."""
+    if mesh is None:
+        return tuple(jnp.asarray(a) for a in arrays)
+    return tuple(jax.device_put(a, logical_sharding(("batch",) + (None,) * (a.ndim - 1), a.shape, mesh)) for a in arrays)
+
+
+@dataclasses.dataclass
+class Batch:
+    """A validated, encoded batch (host side) and its bucketed shapes.
+
+    rows / q_rows: token ids of the prompts (contexts) and of their questions (None without);
+    lengths / q_lengths [B]; bucket / q_bucket: padded lengths; steps: the decode-loop bucket.
+    """
+
+    rows: list[list[int]]
+    q_rows: list[list[int]] | None
+    lengths: np.ndarray
+    q_lengths: np.ndarray
+    bucket: int
+    q_bucket: int
+    steps: int
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    pad_id: int
+    sampler: Sampler
+
+    @property
+    def room(self) -> int:
+        """Slots per head needed after the prompt: the questions and every decoded token."""
+        return self.q_bucket + self.steps
+
+    def prompt_arrays(self, mesh) -> tuple[jax.Array, jax.Array]:
+        """Device tokens and positions [B, bucket]."""
+        return put_batch(mesh, *pad_rows(self.rows, self.bucket, self.pad_id))
+
+    def question_arrays(self, mesh) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Device question tokens and positions [B, q_bucket] (after each prompt) and the index of
+        each row's last question token [B, 1]."""
+        tokens, positions = pad_rows(self.q_rows, self.q_bucket, self.pad_id, offsets=self.lengths)
+        return put_batch(mesh, tokens, positions, (self.q_lengths - 1)[:, None])
+
+
+def prepare(model: Model, prompts: Any, *, questions: Any = None, max_new_tokens: int = 64,
+            temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+            stop_tokens: Sequence[int] | None = None, chat_template: bool = False,
+            buckets: Sequence[int] = BUCKETS, question_tokens: int = 0) -> Batch:
+    """Validates and encodes a generation request (see `kvjax.generate` for the arguments)."""
+    cfg = model.config
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    sampler = Sampler(float(temperature), top_k, top_p)
+    rows = encode_prompts(model, prompts, chat_template=chat_template)
+    q_rows = None
+    if questions is not None:
+        q_rows = encode_prompts(model, questions, what="questions")
+        if len(q_rows) != len(rows):
+            raise ValueError(f"got {len(rows)} prompts but {len(q_rows)} questions: give one question per context")
+    B = len(rows)
+    lengths = np.array([len(r) for r in rows], np.int32)
+    q_lengths = np.array([len(r) for r in q_rows], np.int32) if q_rows else np.zeros(B, np.int32)
+    check_positions(model, int((lengths + q_lengths).max()), int(max_new_tokens))
+    if stop_tokens is None:
+        stop = set(cfg.eos_token_ids)
+        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+            stop.add(int(model.tokenizer.eos_token_id))
+        stop_ids = tuple(sorted(stop))
+    else:
+        stop_ids = tuple(sorted({int(t) for t in stop_tokens}))
+    q_bucket = 0
+    if q_rows:  # questions are short and vary by task: one floor bucket lets tasks share compiled programs
+        floor = [b for b in buckets if b >= MIN_QUESTION_BUCKET] or buckets
+        q_bucket = bucket_length(max(int(q_lengths.max()), int(question_tokens)), floor)
+    return Batch(rows=rows, q_rows=q_rows, lengths=lengths, q_lengths=q_lengths,
+                 bucket=bucket_length(int(lengths.max()), buckets), q_bucket=q_bucket,
+                 steps=bucket_length(int(max_new_tokens), STEP_BUCKETS), max_new_tokens=int(max_new_tokens),
+                 stop_ids=stop_ids, pad_id=pad_id(model), sampler=sampler)
+
+
+def pad_id(model: Model) -> int:
+    return model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+
+def check_positions(model: Model, prompt_tokens: int, new_tokens: int, what: str = "max_new_tokens") -> None:
+    """Refuses sequences longer than the model's positions (nothing is silently truncated)."""
+    cfg = model.config
+    total = prompt_tokens + new_tokens
+    if total > cfg.max_position_embeddings:
+        raise ValueError(
+            f"the longest prompt ({prompt_tokens} tokens) plus {what}={new_tokens} needs {total} positions, "
+            f"more than the model allows (max_position_embeddings={cfg.max_position_embeddings})")
+    if cfg.sliding_window is not None and total > cfg.sliding_window:
+        raise ValueError(f"sequences of {total} tokens exceed the sliding_window={cfg.sliding_window} of this "
+                         "checkpoint, which kvjax does not implement")

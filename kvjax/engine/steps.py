@@ -1,0 +1,168 @@
+"""The engine's jitted programs: model prefill, policy compression, chunk feed and the decode loop.
+
+Each program compiles once per static configuration (bucket, batch size, observation spec,
+policy, capacity, decode-step bucket) and is reused by later calls; `TRACE_COUNTS` counts the
+compilations, per program.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from kvjax.cache import KVCache
+from kvjax.models.config import ModelConfig
+from kvjax.models.llama import extend
+from kvjax.observations import Observations, ObservationSpec
+from kvjax.policies.base import Plan, Policy, compress_prefill
+from kvjax.sampling import Sampler
+from kvjax.sharding import cache_shardings
+
+# Compilations so far, per jitted function (traced once per distinct static configuration).
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def constrain(cache: KVCache, mesh: jax.sharding.Mesh | None) -> KVCache:
+    """The cache laid out over the mesh: batch over `data`, KV heads over `model`."""
+    if mesh is None:
+        return cache
+    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+
+
+def prefill_spec(policies: list[Policy | None]) -> ObservationSpec:
+    """What one model prefill shared by `policies` must record: the union of their prefill-time
+    needs (step probabilities are a decode-time observation)."""
+    spec = ObservationSpec.union(p.requirements().observe for p in policies if p is not None)
+    return dataclasses.replace(spec, step_probs=False)
+
+
+def rope_mode(policy: Policy | None) -> str:
+    return "original" if policy is None else policy.requirements().rope_mode
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "observe", "rope_mode", "sampler", "mesh"))
+def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, cfg: ModelConfig, capacity: int,
+            observe: ObservationSpec, rope_mode: str, sampler: Sampler, mesh
+            ) -> tuple[jax.Array, KVCache, Observations, jax.Array]:
+    """The model prefill, shared by every policy. tokens, positions [B,T] (right-padded, -1 = padding).
+
+    Returns first-token ids [B], the full cache of `capacity` slots, the `Observations` asked for,
+    and the first-token logits [B,V].
+    """
+    TRACE_COUNTS["prefill"] += 1
+    B = tokens.shape[0]
+    lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
+    cache = constrain(KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, capacity, cfg.head_dim, cfg.jnp_dtype), mesh)
+    logits, cache, observations = extend(params, cfg, cache, tokens, positions, fresh=True, observe=observe,
+                                         logit_index=(lengths - 1)[:, None], rope_mode=rope_mode)
+    return sampler(logits[:, 0], key), cache, observations, logits[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "capacity", "mesh"))
+def compress(cache: KVCache, observations: Observations, plan: Plan, *, policy: Policy, capacity: int, mesh
+             ) -> tuple[KVCache, object]:
+    """The policy's prefill eviction on a full cache (`compress_prefill`): the compacted (or
+    masked) cache and the policy's decode state."""
+    TRACE_COUNTS["compress"] += 1
+    cache, state = compress_prefill(policy, plan, cache, observations, capacity=capacity)
+    return constrain(cache, mesh), state
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "mesh"))
+def grow(cache: KVCache, *, capacity: int, mesh) -> KVCache:
+    """The same cache with empty slots appended up to `capacity` (slot layout unchanged)."""
+    return constrain(cache.grow(capacity), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "mesh", "rope_mode"))
+def feed(params, cache: KVCache, tokens: jax.Array, positions: jax.Array, logit_index: jax.Array, *,
+         cfg: ModelConfig, mesh, rope_mode: str = "original") -> tuple[jax.Array, KVCache]:
+    """Appends a chunk (a question, a continuation) [B,n] to a filled cache; logits [B,k,V] at
+    `logit_index` [B,k]."""
+    TRACE_COUNTS["feed"] += 1
+    logits, cache, _ = extend(params, cfg, cache, tokens, positions, fresh=False, logit_index=logit_index,
+                              rope_mode=rope_mode)
+    return logits, constrain(cache, mesh)
+
+
+@struct.dataclass
+class DecodeState:
+    """The `lax.while_loop` carry of `decode`.
+
+    step: index of the next token to write into `tokens` [B, steps]; last [B]: the last token of
+    each row; pos [B]: its next position; done [B]: rows that emitted a stop token;
+    policy_state: the decode-time policy's state (None for the others);
+    kept_min / kept_max / kept_sum [B]: KV entries of each row (summed over layers and heads) after
+    each step while the row generates, and `active_steps` [B] how many such states were counted.
+    """
+
+    step: jax.Array
+    tokens: jax.Array
+    cache: KVCache
+    policy_state: object
+    last: jax.Array
+    pos: jax.Array
+    done: jax.Array
+    key: jax.Array
+    kept_min: jax.Array
+    kept_max: jax.Array
+    kept_sum: jax.Array
+    active_steps: jax.Array
+
+    def count_kept(self, active: jax.Array) -> "DecodeState":
+        """Adds the cache's current entries to the statistics of the `active` rows."""
+        n = self.cache.valid.sum(axis=(0, 2, 3)).astype(jnp.float32)
+        return self.replace(kept_min=jnp.where(active, jnp.minimum(self.kept_min, n), self.kept_min),
+                            kept_max=jnp.where(active, jnp.maximum(self.kept_max, n), self.kept_max),
+                            kept_sum=self.kept_sum + jnp.where(active, n, 0.0),
+                            active_steps=self.active_steps + active.astype(jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "sampler", "stop_ids", "pad_id", "mesh",
+                                             "rope_mode"),
+                   donate_argnames=("cache",))
+def decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Array, key: jax.Array, plan: Plan | None,
+           limit: jax.Array, *, cfg: ModelConfig, steps: int, policy: Policy | None, sampler: Sampler,
+           stop_ids: tuple[int, ...], pad_id: int, mesh, rope_mode: str) -> DecodeState:
+    """Decodes up to `limit - 1` (traced, <= steps) tokens after `first` [B] under `lax.while_loop`.
+
+    Returns the final `DecodeState` (tokens [B, steps], pad after `limit`). `policy` (with its
+    `plan` and `policy_state`) is given only for decode-time eviction; every other policy shares
+    the plain loop of its cache capacity.
+    """
+    TRACE_COUNTS["decode"] += 1
+    B = first.shape[0]
+    stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
+    spec = ObservationSpec() if policy is None else ObservationSpec(step_probs=policy.requirements().observe.step_probs)
+    big = jnp.full((B,), jnp.inf, jnp.float32)
+    state = DecodeState(step=jnp.int32(1), tokens=jnp.full((B, steps), pad_id, jnp.int32).at[:, 0].set(first),
+                        cache=cache, policy_state=policy_state, last=first, pos=pos0, done=jnp.isin(first, stops),
+                        key=key, kept_min=big, kept_max=-big, kept_sum=jnp.zeros((B,), jnp.float32),
+                        active_steps=jnp.zeros((B,), jnp.int32))
+    state = state.count_kept(jnp.ones((B,), bool))
+
+    def cond(s: DecodeState) -> jax.Array:
+        return (s.step < limit) & ~jnp.all(s.done)
+
+    def body(s: DecodeState) -> DecodeState:
+        slots = s.cache.write_slots(1)
+        q_pos = jnp.where(s.done, -1, s.pos)[:, None]
+        logits, cache, obs = extend(params, cfg, s.cache, s.last[:, None], q_pos, fresh=False, observe=spec,
+                                    slots=slots, rope_mode=rope_mode)
+        key, sub = jax.random.split(s.key)
+        nxt = jnp.where(s.done, pad_id, sampler(logits[:, 0], sub))
+        policy_state = s.policy_state
+        if policy is not None:
+            policy_state, keep = policy.decode_update(plan, policy_state, cache, obs.step_probs, slots[..., 0], s.step)
+            cache = cache.evict(keep)
+        active = ~s.done
+        s = s.replace(step=s.step + 1, tokens=s.tokens.at[:, s.step].set(nxt), cache=constrain(cache, mesh),
+                      policy_state=policy_state, last=nxt, pos=s.pos + 1, done=s.done | jnp.isin(nxt, stops), key=key)
+        return s.count_kept(active)
+
+    return jax.lax.while_loop(cond, body, state)
