@@ -7,7 +7,7 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
-from kvjax.engine import continuation_logits, generate, generate_settings
+from kvjax import engine
 from kvjax.eval.prompts import build_prompt, encode_prompt
 
 BUNDLED_MODEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "assets" / "model"
@@ -85,7 +85,7 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
     def generate_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
                     budget: int | None, query_aware: bool) -> list[dict[str, Any]]:
         contexts, questions, kw = _inputs(samples, query_aware)
-        out = generate(model, kw.pop("prompts"), policy=policy, compression_ratio=compression_ratio, budget=budget,
+        out = engine.generate(model, kw.pop("prompts"), policy=policy, compression_ratio=compression_ratio, budget=budget,
                        **kw)
         return _outputs(out, samples, contexts, questions)
 
@@ -93,7 +93,7 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
         """All `settings` (runner Settings) on one batch, sharing the model prefill. A setting the
         policy rejects for these prompts (e.g. a budget below its protected window) gets the error."""
         contexts, questions, kw = _inputs(samples, query_aware)
-        outs = generate_settings(model, kw.pop("prompts"), list(settings), on_error="return", **kw)
+        outs = engine.generate_settings(model, kw.pop("prompts"), list(settings), on_error="return", **kw)
         return [out if isinstance(out, Exception) else _outputs(out, samples, contexts, questions) for out in outs]
 
     generate_fn.many = many
@@ -108,7 +108,7 @@ def make_logits_fn(model: Any):
                   budget: int | None) -> list[Any]:
         contexts = [s["metadata"]["context_ids"] for s in samples]
         continuations = [s["metadata"]["continuation_ids"] for s in samples]
-        return continuation_logits(model, contexts, continuations, policy=policy,
+        return engine.continuation_logits(model, contexts, continuations, policy=policy,
                                    compression_ratio=compression_ratio, budget=budget)
 
     return logits_fn
