@@ -42,6 +42,20 @@ def _split_ids(samples: list[dict[str, Any]], tokenizer: Any, query_aware: bool)
     return contexts, questions
 
 
+def cache_stats(out: engine.GenerateOutput, b: int) -> dict[str, Any]:
+    """Row b's cache as it really was while the row decoded: entries per KV head (peak, mean; the
+    average over layers and heads), their key/value bytes, the nominal budget and whether the cache
+    ever came down to it (None for the full cache)."""
+    stats: dict[str, Any] = {}
+    for key in ("kept_peak", "kept_mean", "kv_bytes_peak", "kv_bytes_mean"):
+        value = getattr(out, key)
+        if value is not None:
+            stats[key] = int(round(float(value[b]))) if key.startswith("kv_bytes") else round(float(value[b]), 2)
+    stats["budget"] = None if out.budget is None else int(out.budget[b])
+    stats["budget_reached"] = None if out.budget_reached is None else bool(out.budget_reached[b])
+    return stats
+
+
 def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int = 128):
     """A runner ``generate_fn`` calling `kvjax.generate` in context-then-question mode, greedy.
 
@@ -66,7 +80,7 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
             rows.append({"text": tokenizer.decode(out.tokens[b, :n].tolist(), skip_special_tokens=True),
                          "kept": float(out.kept[b]), "generated_tokens": n,
                          "prompt_tokens": len(contexts[b]) + len(questions[b]),
-                         "batch_cache_bytes": int(out.cache_bytes)})
+                         "batch_cache_bytes": int(out.cache_bytes), **cache_stats(out, b)})
         return rows
 
     def _inputs(samples, query_aware):
