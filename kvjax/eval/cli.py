@@ -6,8 +6,13 @@ import argparse
 import json
 import pathlib
 import sys
+import shlex
 import warnings
 from typing import Any
+
+from kvjax.eval.report import SCORE_NOTE
+from kvjax.policies.base import check_budget
+from kvjax.policies.registry import canonical_name, close_match
 
 DEFAULTS: dict[str, Any] = {
     "model": "bundled",
@@ -194,17 +199,24 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         names = []
     if "all" in names:
         names = [n for n in names if n != "all"] + [v for v in valid if v not in names]
-    unknown = [n for n in names if n not in valid]
+    canonical, unknown = [], []
+    for n in names:  # any spelling kvjax.policies accepts ("SnapKV", "snap_kv", "SnapKVPress"): one name
+        try:
+            canonical.append(canonical_name(n, valid))
+        except ValueError:
+            near = close_match(n, valid)
+            unknown.append(repr(n) + (f" (did you mean {near!r}?)" if near else ""))
     if unknown:
-        parser.error(f"unknown policy(ies) {', '.join(map(repr, unknown))}. Valid policies: "
+        parser.error(f"unknown policy(ies) {', '.join(unknown)}. Valid policies: "
                      f"{', '.join(valid) if valid else '(none registered)'}; or 'all', or 'none'")
-    cfg["policies"] = names
-    for r in cfg["compression_ratios"]:
-        if not 0.0 <= float(r) < 1.0:
-            parser.error(f"compression ratios must be in [0, 1), got {r}")
-    for b in cfg["budgets"]:
-        if int(b) <= 0:
-            parser.error(f"budgets must be positive, got {b}")
+    cfg["policies"] = list(dict.fromkeys(canonical))
+    try:
+        for r in cfg["compression_ratios"]:
+            check_budget(None, r)
+        for b in cfg["budgets"]:
+            check_budget(b, None)
+    except (TypeError, ValueError) as err:
+        parser.error(f"--compression-ratios / --budgets: {err}")
     for key in ("context_length", "batch_size", "fidelity_tokens"):
         if int(cfg[key]) <= 0:
             parser.error(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
