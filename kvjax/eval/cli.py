@@ -7,6 +7,7 @@ import json
 import pathlib
 import sys
 import shlex
+import textwrap
 import warnings
 from typing import Any
 
@@ -59,7 +60,14 @@ config files:
   --config PATH or NAME (configs/eval_NAME.yaml): YAML with the option names as keys
   (underscores); options given on the command line win. configs/eval_default.yaml holds the
   defaults used when no config is given.
+policies:
+  preset names in any spelling kvjax.policies accepts (snapkv, SnapKV, snap_kv; SnapKVPress means
+  the kvpress preset snapkv_kvpress); results are recorded under the preset's name.
+interrupting:
+  Ctrl-C stops a run (exit status 130) and prints the command that resumes it.
 """
+EPILOG += "scores (the table, results.md):\n" + "\n".join(
+    textwrap.fill(line, 98, initial_indent="  ", subsequent_indent="  ") for line in SCORE_NOTE) + "\n"
 
 
 def _csv(values: list[str] | None) -> list[str] | None:
@@ -251,10 +259,30 @@ def list_everything(policies: list[str]) -> str:
     return "\n".join(lines)
 
 
+def check_positions(cfg: dict[str, Any], limit: int | None, where: str, parser: argparse.ArgumentParser) -> None:
+    """Refuses a context length (or needle-grid length) beyond the model's positions."""
+    if limit is None:
+        return
+    longest = max([int(cfg["context_length"])] + [int(n) for n in cfg["niah_lengths"] or []])
+    if longest > limit:
+        parser.error(f"--context-length {cfg['context_length']}"
+                     + (f" (or --niah-lengths up to {longest})" if longest != int(cfg["context_length"]) else "")
+                     + f" needs {longest} positions, more than the model allows (max_position_embeddings={limit} "
+                     f"in {where}); pass --context-length {limit} or less")
+
+
+def resume_command(argv: list[str], out: pathlib.Path) -> str:
+    """The command line that resumes this run: the same arguments, and --out if it was implicit."""
+    named = any(a == "--out" or a.startswith("--out=") for a in argv)
+    return shlex.join(["python", "-m", "kvjax.eval", *argv, *([] if named else ["--out", str(out)])])
+
+
 def main(argv: list[str] | None = None, *, generate_fn=None, logits_fn=None, tokenizer=None,
          policies: list[str] | None = None) -> int:
     """Runs the CLI. Tests inject ``generate_fn`` / ``logits_fn`` / ``tokenizer`` / ``policies``;
-    without ``generate_fn`` the model is loaded and driven through `kvjax.generate`."""
+    without ``generate_fn`` the model is loaded and driven through `kvjax.generate`.
+    Returns the exit status: 0, or 130 after Ctrl-C (finished samples stay in results.jsonl)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
@@ -263,7 +291,16 @@ def main(argv: list[str] | None = None, *, generate_fn=None, logits_fn=None, tok
     cfg = resolve(args, parser, policies)
     out = pathlib.Path(cfg["out"])
     _check_identity(out, cfg, parser)
+    try:
+        return _run(cfg, out, parser, args, generate_fn=generate_fn, logits_fn=logits_fn, tokenizer=tokenizer)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished samples are kept in {out / 'results.jsonl'}; resume with: "
+              f"{resume_command(argv, out)}", file=sys.stderr)
+        return 130
 
+
+def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+         generate_fn, logits_fn, tokenizer) -> int:
     from kvjax.eval import runner
     from kvjax.eval.prompts import chat_overhead
     from kvjax.eval.report import write_reports
@@ -272,10 +309,12 @@ def main(argv: list[str] | None = None, *, generate_fn=None, logits_fn=None, tok
     if generate_fn is None:
         from kvjax.eval import engine
 
-        try:
+        try:  # the model's positions from its config file, before loading anything
+            check_positions(cfg, *engine.model_positions(cfg["model"]), parser)
             model = engine.load(cfg["model"])
         except (FileNotFoundError, ValueError) as err:
             parser.error(str(err))
+        check_positions(cfg, model.config.max_position_embeddings, str(model.path), parser)
         tokenizer = model.tokenizer
         generate_fn = engine.make_generate_fn(model, pad_to=int(cfg["batch_size"])) if tokenizer is not None else None
         logits_fn = logits_fn or engine.make_logits_fn(model)

@@ -4,6 +4,7 @@ runner's ``generate_fn`` / ``logits_fn``. Imported only when a real run needs it
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -22,6 +23,19 @@ def resolve_model(spec: str | None) -> str:
                 "pass --model with a local folder or a Hub id")
         return str(BUNDLED_MODEL_DIR)
     return str(spec)
+
+
+def model_positions(spec: str | None) -> tuple[int | None, str]:
+    """The model's max_position_embeddings read from its config.json, without loading it, and that
+    file's path; (None, "") when it is not a local folder with a config (a Hub id, a single file)."""
+    path = pathlib.Path(resolve_model(spec)) / "config.json"
+    if not path.is_file():
+        return None, ""
+    try:
+        value = json.loads(path.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None, ""
+    return (int(value) if isinstance(value, int) else None), str(path)
 
 
 def load(spec: str | None) -> Any:

@@ -25,7 +25,8 @@ SCORE_NOTE = (
     "ran); '-' = not run: the policy refused that ratio or budget (reasons listed).",
     "kept mean / kept peak = KV entries per head (averaged over layers and KV heads) the cache held "
     "while answering, after the question and after each generated token; KV MiB = their key and value "
-    "bytes, all layers and heads, per sample (mean).",
+    "bytes, all layers and heads, per sample (mean); \N{DAGGER} on a setting: its cache never came down to "
+    "its budget (see its note).",
 )
 UNREACHED_MARK = "\N{DAGGER}"
 # (header, summary key, scale): the cache each setting actually used, averaged over its samples
