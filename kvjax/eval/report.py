@@ -120,7 +120,7 @@ def display_table(header: Sequence[str], body: Sequence[Sequence[Any]],
                          f"(after prefill it held {rec['kept_prefill']:g}, while answering {rec['kept_mean']:g} "
                          f"on average, {rec['kept_peak']:g} at the peak): these scores are those of a larger "
                          "cache than the setting names.")
-        cells = [round(rec[key] * scale, 2) if key in rec else None for _, key, scale in CACHE_COLUMNS]
+        cells = [round(rec[key] * scale, 3) if key in rec else None for _, key, scale in CACHE_COLUMNS]
         rows.append([row[0], label, *row[2:], *cells])
     return head, rows, notes
 
@@ -358,5 +358,5 @@ def write_reports(out_dir: str | pathlib.Path, rows: Sequence[dict[str, Any]], t
         print(text_table(shown_head, shown) if body else "(no results)")
         lines = notes + [f"- {p} {label}: not run: {why}" for (p, label), why in not_run.items()]
         if lines:
-            print("\n".join(lines))
+            print("\n" + "\n".join(lines))
     return {"summary": summary, "header": header, "rows": body, "plot": plotted, "heatmaps": heatmaps}
