@@ -52,8 +52,10 @@ data files (--data NAME=PATH, repeatable):
   JSON, qa_1), hotpotqa (HotpotQA dev-distractor JSON, qa_2), longbench (folder of {task}.jsonl),
   gsm8k / math500 / aime24 / aime25 (JSONL), fidelity (text), fidelity_ids (.npy/.json ids).
 outputs (in --out):
-  results.jsonl (one line per task, policy, ratio/budget, sample), results.md, results.csv,
-  metrics.json, score_vs_compression.png, niah_heatmaps/, run_config.json. A rerun with the same
+  results.jsonl (one line per task, policy, ratio/budget, sample; its stats hold the cache the
+  answer used: kept_mean, kept_peak, kv_bytes_mean, kv_bytes_peak, budget, budget_reached),
+  results.md, results.csv, metrics.json, score_vs_compression.png, niah_heatmaps/,
+  run_config.json. A rerun with the same
   --out resumes: finished entries are not recomputed; the model, context length, seed and the
   other sample-defining options must match the folder's run_config.json.
 config files:

@@ -59,7 +59,8 @@ def _split_ids(samples: list[dict[str, Any]], tokenizer: Any, query_aware: bool)
 def cache_stats(out: engine.GenerateOutput, b: int) -> dict[str, Any]:
     """Row b's cache as it really was while the row decoded: entries per KV head (peak, mean; the
     average over layers and heads), their key/value bytes, the nominal budget and whether the cache
-    ever came down to it (None for the full cache)."""
+    ever came down to it (None for the full cache). The decode loop runs to the row's stop token or
+    the batch's shared cap, so a row cut to a shorter task cap is counted over the longer decode."""
     stats: dict[str, Any] = {}
     for key in ("kept_peak", "kept_mean", "kv_bytes_peak", "kv_bytes_mean"):
         value = getattr(out, key)
