@@ -2,50 +2,26 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import _compat
+from kvjax.kernels._dispatch import ENV_VAR, IMPLEMENTATIONS, resolve_implementation  # noqa: F401
+from kvjax.kernels.reductions import (  # noqa: F401
+    ENTROPY_EPS,
+    GROUP_REDUCTIONS,
+    MOMENTS,
+    combine_group_rows,
+    group_reduce_rows,
+    moment_contribution,
+)
 
-IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu", "interpret")
-GROUP_REDUCTIONS = ("mean", "sum", "max", None)
-MOMENTS = ("sum", "sumsq", "entropy")
-ENTROPY_EPS = 1e-10
 # Finite "minus infinity" for masked logits inside kernels: exp(MASK - m) underflows to 0
 # without producing inf - inf = NaN (same constant as jax's TPU flash attention).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 INT_BIG = int(np.iinfo(np.int32).max)
-
-
-ENV_VAR = "KVJAX_KERNEL_IMPLEMENTATION"
-
-
-def resolve_implementation(implementation: str | None) -> str:
-    """Map the public ``implementation`` argument to a concrete backend name.
-
-    None picks the Pallas kernel on TPU and GPU (the GPU one only while this jax still ships
-    the Triton backend) and the XLA reference elsewhere. The environment variable
-    KVJAX_KERNEL_IMPLEMENTATION, when set, replaces that automatic choice (an escape hatch for
-    callers that do not expose ``implementation``, e.g. to force "xla" on an untested GPU).
-    """
-    if implementation is None:
-        implementation = os.environ.get(ENV_VAR) or None
-    if implementation is None:
-        backend = jax.default_backend()
-        if backend == "tpu" and _compat.HAS_PALLAS_TPU:
-            return "pallas_tpu"
-        if backend in ("gpu", "cuda", "rocm") and _compat.HAS_TRITON:
-            return "pallas_gpu"
-        return "xla"
-    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
-        )
-    return implementation
 
 
 def check_scale(scale: Any) -> float:
@@ -151,17 +127,6 @@ def first_visible_block(run: jax.Array) -> jax.Array:
     idx = jnp.arange(nq, dtype=jnp.int32)[:, None]
     first = jnp.min(jnp.where(run, idx, nq), axis=2)
     return jnp.where(first == nq, nq - 1, first).astype(jnp.int32)
-
-
-def group_reduce_rows(x: jax.Array, group_reduce: str | None, axis: int) -> jax.Array:
-    """Reduces the group axis of a per-query-head score."""
-    if group_reduce is None:
-        return x
-    if group_reduce == "mean":
-        return jnp.mean(x, axis=axis)
-    if group_reduce == "sum":
-        return jnp.sum(x, axis=axis)
-    return jnp.max(x, axis=axis)
 
 
 def check_moments(moments: Any) -> tuple[str, ...]:

@@ -34,11 +34,6 @@ def window_scores(queries: jax.Array, keys: jax.Array, query_positions: jax.Arra
     p = window_probs(queries.astype(dtype), keys.astype(dtype), query_positions, key_positions, scale=scale)
     out = {}
     for moment in moments:
-        if moment == "sum":
-            c = p
-        elif moment == "sumsq":
-            c = p * p
-        else:
-            c = -p * jnp.log(p + _common.ENTROPY_EPS)
+        c = _common.moment_contribution(moment, p)
         out[moment] = _common.group_reduce_rows(jnp.sum(c, axis=3), group_reduce, axis=2)
     return out
