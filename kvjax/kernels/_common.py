@@ -7,6 +7,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from kvjax.kernels._dispatch import ENV_VAR, IMPLEMENTATIONS, resolve_implementation  # noqa: F401
 from kvjax.kernels.reductions import (  # noqa: F401
@@ -142,6 +143,19 @@ def check_group_reduce(group_reduce: Any) -> str | None:
     if group_reduce not in GROUP_REDUCTIONS:
         raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
     return group_reduce
+
+
+def grouped_logits(queries: jax.Array, keys: jax.Array, query_positions: jax.Array, key_positions: jax.Array,
+                   *, scale: float) -> tuple[jax.Array, jax.Array]:
+    """float32 logits [B,Hkv,G,T,S] of queries [B,Hq,T,D] on keys [B,Hkv,S,D] (GQA by reshaping the
+    queries), and the causal mask of the same shape: 0 <= key_positions[s] <= query_positions[t]."""
+    b, hq, t, d = queries.shape
+    hkv = keys.shape[1]
+    q = queries.reshape(b, hkv, hq // hkv, t, d)
+    logits = jnp.einsum("bhgtd,bhsd->bhgts", q, keys, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32) * scale
+    kpos = key_positions[:, :, None, None, :]
+    return logits, (kpos >= 0) & (kpos <= query_positions[:, None, None, :, None])
 
 
 def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:

@@ -87,6 +87,17 @@ def late(module: ModuleType, name: str, **fixed: Any) -> Callable[..., Any]:
     return call
 
 
+def table(op: str, *, xla: ModuleType, pallas_tpu: ModuleType, pallas_gpu: ModuleType) -> KernelTable:
+    """The table of an op whose three modules each define a function named ``op``; the TPU kernel
+    also serves "interpret" (``interpret=True``, for CPU tests)."""
+    return KernelTable(op, {
+        "xla": late(xla, op),
+        "pallas_tpu": late(pallas_tpu, op),
+        "pallas_gpu": late(pallas_gpu, op),
+        "interpret": late(pallas_tpu, op, interpret=True),
+    })
+
+
 class KernelTable:
     """One op's implementations: ``table[table.resolve(implementation)](*args, **kwargs)`` runs the chosen one."""
 

@@ -10,12 +10,7 @@ import jax.numpy as jnp
 from kvjax.kernels import _common, _dispatch
 from kvjax.kernels.column_mass import pallas_gpu, pallas_tpu, reference
 
-TABLE = _dispatch.KernelTable("column_mass", {
-    "xla": _dispatch.late(reference, "column_mass"),
-    "pallas_tpu": _dispatch.late(pallas_tpu, "column_mass"),
-    "pallas_gpu": _dispatch.late(pallas_gpu, "column_mass"),
-    "interpret": _dispatch.late(pallas_tpu, "column_mass", interpret=True),
-})
+TABLE = _dispatch.table("column_mass", xla=reference, pallas_tpu=pallas_tpu, pallas_gpu=pallas_gpu)
 
 
 def column_mass(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,

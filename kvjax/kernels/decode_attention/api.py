@@ -9,12 +9,7 @@ import jax
 from kvjax.kernels import _common, _dispatch
 from kvjax.kernels.decode_attention import pallas_gpu, pallas_tpu, reference
 
-TABLE = _dispatch.KernelTable("decode_attention", {
-    "xla": _dispatch.late(reference, "decode_attention"),
-    "pallas_tpu": _dispatch.late(pallas_tpu, "decode_attention"),
-    "pallas_gpu": _dispatch.late(pallas_gpu, "decode_attention"),
-    "interpret": _dispatch.late(pallas_tpu, "decode_attention", interpret=True),
-})
+TABLE = _dispatch.table("decode_attention", xla=reference, pallas_tpu=pallas_tpu, pallas_gpu=pallas_gpu)
 
 
 def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, valid: jax.Array, *,

@@ -10,12 +10,7 @@ import jax.numpy as jnp
 from kvjax.kernels import _common, _dispatch
 from kvjax.kernels.window_scores import pallas_gpu, pallas_tpu, reference
 
-TABLE = _dispatch.KernelTable("window_scores", {
-    "xla": _dispatch.late(reference, "window_scores"),
-    "pallas_tpu": _dispatch.late(pallas_tpu, "window_scores"),
-    "pallas_gpu": _dispatch.late(pallas_gpu, "window_scores"),
-    "interpret": _dispatch.late(pallas_tpu, "window_scores", interpret=True),
-})
+TABLE = _dispatch.table("window_scores", xla=reference, pallas_tpu=pallas_tpu, pallas_gpu=pallas_gpu)
 
 
 def window_scores(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
