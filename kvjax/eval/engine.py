@@ -4,6 +4,7 @@ runner's ``generate_fn`` / ``logits_fn``. Imported only when a real run needs it
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
@@ -24,6 +25,19 @@ def resolve_model(spec: str | None) -> str:
     return str(spec)
 
 
+def model_positions(spec: str | None) -> tuple[int | None, str]:
+    """The model's max_position_embeddings read from its config.json, without loading it, and that
+    file's path; (None, "") when it is not a local folder with a config (a Hub id, a single file)."""
+    path = pathlib.Path(resolve_model(spec)) / "config.json"
+    if not path.is_file():
+        return None, ""
+    try:
+        value = json.loads(path.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None, ""
+    return (int(value) if isinstance(value, int) else None), str(path)
+
+
 def load(spec: str | None) -> Any:
     """The `kvjax.models.Model` for ``spec`` (see `resolve_model`)."""
     from kvjax.models import load_model
@@ -40,6 +54,21 @@ def _split_ids(samples: list[dict[str, Any]], tokenizer: Any, query_aware: bool)
         contexts.append(ctx)
         questions.append(q)
     return contexts, questions
+
+
+def cache_stats(out: engine.GenerateOutput, b: int) -> dict[str, Any]:
+    """Row b's cache as it really was while the row decoded: entries per KV head (peak, mean; the
+    average over layers and heads), their key/value bytes, the nominal budget and whether the cache
+    ever came down to it (None for the full cache). The decode loop runs to the row's stop token or
+    the batch's shared cap, so a row cut to a shorter task cap is counted over the longer decode."""
+    stats: dict[str, Any] = {}
+    for key in ("kept_peak", "kept_mean", "kv_bytes_peak", "kv_bytes_mean"):
+        value = getattr(out, key)
+        if value is not None:
+            stats[key] = int(round(float(value[b]))) if key.startswith("kv_bytes") else round(float(value[b]), 2)
+    stats["budget"] = None if out.budget is None else int(out.budget[b])
+    stats["budget_reached"] = None if out.budget_reached is None else bool(out.budget_reached[b])
+    return stats
 
 
 def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int = 128):
@@ -66,7 +95,7 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
             rows.append({"text": tokenizer.decode(out.tokens[b, :n].tolist(), skip_special_tokens=True),
                          "kept": float(out.kept[b]), "generated_tokens": n,
                          "prompt_tokens": len(contexts[b]) + len(questions[b]),
-                         "batch_cache_bytes": int(out.cache_bytes)})
+                         "batch_cache_bytes": int(out.cache_bytes), **cache_stats(out, b)})
         return rows
 
     def _inputs(samples, query_aware):

@@ -29,7 +29,11 @@ def group_reduce_fn(x: jax.Array, how: str, axis: int) -> jax.Array:
 
 
 def attention_scale(obs: Observations, head_dim: int, use_model_scale: bool) -> float:
-    """The model's attention scale when the observations carry one (`attn_scale`), else 1/sqrt(d)."""
+    """The model's attention scale when the observations carry one (`attn_scale`, set by the
+    model's `extend`) and `use_model_scale`, else 1/sqrt(d) (kvpress's scorers always use 1/sqrt(d)).
+
+    Llama-family models score with 1/sqrt(head_dim), so there the switch changes nothing; it
+    matters for a model whose softmax scale differs (e.g. a query_pre_attn_scalar)."""
     scale = getattr(obs, "attn_scale", None) if use_model_scale else None
     return float(scale) if scale is not None else head_dim**-0.5
 
