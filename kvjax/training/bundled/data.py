@@ -35,10 +35,9 @@ class TaskBatches:
     until the row is full; a random fraction up to `drill_fraction` of the row is set aside for them.
     A `copy_fraction` of rows instead ask to repeat a list of random values (`_copy_row`). With
     `vt_chains`, vt rows hold that many more chains, each asked about after the answer (`_vt_row`).
-    `curriculum` ([[until_step, lengths, batch_size?], ...]) trains on shorter rows (in bigger batches) first; `task_weights` repeats
-    tasks in the mix (the needle-haystack tasks carry the most drills).
+    `curriculum` ([[until_step, lengths, batch_size?], ...]) trains on shorter rows (in bigger batches)
+    first; `task_weights` repeats tasks in the mix (the needle-haystack tasks carry the most drills).
     """
-
 
     def __init__(self, data: DataConfig | Mapping[str, Any], tokenizer: Any):
         """data: a `DataConfig`, or the `data` mapping of a YAML config; tokenizer: the bundled one."""
@@ -66,7 +65,6 @@ class TaskBatches:
 
     def _generate(self, task: str, length: int, index: int) -> dict[str, Any]:
         return generate(task, self.tokenizer, length, 1, seed=self.seed + index, overhead=self.overhead)[0]
-
 
     def _min_length(self, task: str, top: int) -> int:
         lo, hi = 64, top  # smallest multiple of 32 the task fits in

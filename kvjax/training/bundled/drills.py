@@ -66,7 +66,6 @@ def needle_drills(sample: dict[str, Any], rng: random.Random,
     return drills
 
 
-
 def query_keys(sample: dict[str, Any]) -> list[str]:
     """The keys a needle sample's own question asks about (parsed from its answer prefix)."""
     m = re.search(r" for (.+) mentioned in the provided text", sample.get("answer_prefix", ""))

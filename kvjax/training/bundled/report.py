@@ -155,7 +155,6 @@ def _scores_section(scores: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-
 def _shapes(cfg: ModelConfig) -> Any:
     return param_shapes(cfg)
 
