@@ -11,9 +11,9 @@ import jax
 
 from kvjax.models.config import SUPPORTED_DTYPES, ModelConfig
 from kvjax.models.loading import load_params, to_device
+from kvjax.tokenizer import load_tokenizer as _load_tokenizer
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -56,12 +56,8 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, *, revision: str | None 
 
 
 def load_tokenizer(folder: pathlib.Path) -> Any:
-    """transformers' AutoTokenizer when the folder has tokenizer files, else None."""
-    if not any((folder / f).exists() for f in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
+    """transformers' AutoTokenizer when the folder has tokenizer files, else None (`kvjax.tokenizer.load_tokenizer`)."""
+    return _load_tokenizer(folder, required=False)
 
 
 def load_model(

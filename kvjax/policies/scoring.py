@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.kernels import window_scores
+from kvjax.kernels.reductions import group_reduce_rows
 from kvjax.observations import Observations
 from kvjax.policies.base import check_choice
 
@@ -24,7 +25,7 @@ GQA_REDUCES = ("mean", "max", "sum")
 
 def group_reduce_fn(x: jax.Array, how: str, axis: int) -> jax.Array:
     check_choice("gqa_reduce", how, GQA_REDUCES)
-    return {"mean": jnp.mean, "max": jnp.max, "sum": jnp.sum}[how](x, axis=axis)
+    return group_reduce_rows(x, how, axis)
 
 
 def attention_scale(obs: Observations, head_dim: int, use_model_scale: bool) -> float:
