@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import shlex
+import sys
 import textwrap
 import warnings
 from typing import Any
 
-from kvjax.eval.report import SCORE_NOTE
+from kvjax.eval.report import SCORE_NOTE, write_reports
 from kvjax.policies.base import check_budget
 from kvjax.policies.registry import canonical_name, close_match
 
@@ -101,7 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--config", help="YAML config file, or a name in configs/ (eval_NAME.yaml)")
     a("--model", help="'bundled' (the small model shipped in kvjax), a local folder, or a Hub id (default: bundled)")
     a("--tasks", nargs="+", metavar="TASK", help="task or suite names, space or comma separated (default: default)")
-    a("--policies", nargs="+", metavar="POLICY", help="policy names, 'all' (default: all registered policies), or 'none' (the full cache only)")
+    a("--policies", nargs="+", metavar="POLICY",
+      help="preset names in any spelling (snapkv, SnapKV, SnapKVPress), 'all' (default: every registered "
+           "preset), or 'none' (the full cache only)")
     a("--compression-ratios", nargs="+", metavar="R",
       help="fractions of the prompt's KV entries removed, in [0, 1) (default: 0.25 0.5 0.75 0.875)")
     a("--budgets", nargs="+", metavar="C", help="absolute budgets, entries kept per KV head (replaces the default "
@@ -305,7 +307,6 @@ def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser
          generate_fn, logits_fn, tokenizer) -> int:
     from kvjax.eval import runner
     from kvjax.eval.prompts import chat_overhead
-    from kvjax.eval.report import write_reports
     from kvjax.eval.tasks import TASKS, TaskSkipped, generate_task
 
     if generate_fn is None:

@@ -98,7 +98,8 @@ def cache_by_setting(rows: Sequence[dict[str, Any]], settings: Sequence[Setting]
         group = groups.get((st.policy_name, st.label), [])
         rec = _cache_record(group)
         if rec:
-            out[(st.policy_name, st.label)] = {**rec, "n": sum(1 for r in group if "kept_mean" in (r.get("stats") or {}))}
+            n = sum(1 for r in group if "kept_mean" in (r.get("stats") or {}))
+            out[(st.policy_name, st.label)] = {**rec, "n": n}
     return out
 
 
@@ -325,7 +326,7 @@ def write_reports(out_dir: str | pathlib.Path, rows: Sequence[dict[str, Any]], t
     header, body = wide_table(summary, ran, settings)
     cache = cache_by_setting(rows, settings)
     shown_head, shown, footnotes = display_table(header, body, cache)
-    plotted = plot_scores(out / "score_vs_compression.png", summary, ran, settings, title, cache=cache) if body else False
+    plotted = bool(body) and plot_scores(out / "score_vs_compression.png", summary, ran, settings, title, cache=cache)
     matrices = niah_matrices(rows)
     heatmaps = plot_heatmaps(out / "niah_heatmaps", matrices) if matrices else []
     if matrices:

@@ -98,7 +98,7 @@ def canonical_name(name: str, names: Iterable[str] | None = None) -> str:
             return by_fold[k]
     near = close_match(name, names)
     hint = f" (did you mean {near!r}?)" if near else ""
-    raise ValueError(f"unknown policy {name!r}{hint}; available presets: {', '.join(names)}")
+    raise ValueError(f"unknown policy {name!r}{hint}; available: {', '.join(names)}")
 
 
 def name_of(policy: Policy) -> str:

@@ -19,7 +19,8 @@ def test_cli_on_the_bundled_model(tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert sorted((r["policy"], r["setting"]) for r in rows) == [("full", "full")] * 2 + [("lazy_eviction", "C=200")] * 2
+    settings = sorted((r["policy"], r["setting"]) for r in rows)
+    assert settings == [("full", "full")] * 2 + [("lazy_eviction", "C=200")] * 2
     full = [r for r in rows if r["policy"] == "full"]
     lazy = [r for r in rows if r["policy"] == "lazy_eviction"]
     # the bundled model finds the needle at 512 tokens with the full cache (its card: 100 on niah_single_1)

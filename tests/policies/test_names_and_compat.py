@@ -45,7 +45,7 @@ def test_unknown_name_lists_presets_and_the_closest():
     assert all(name in msg for name in policies.available())
     with pytest.raises(ValueError) as err:
         canonical_name("zzzz")
-    assert "did you mean" not in str(err.value) and "available presets" in str(err.value)
+    assert "did you mean" not in str(err.value) and "; available: " in str(err.value)
 
 
 def test_policy_name_is_the_preset_of_the_class_defaults_and_labels_objects():
