@@ -4,31 +4,27 @@ runner's ``generate_fn`` / ``logits_fn``. Imported only when a real run needs it
 
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 from kvjax import engine
 from kvjax.eval.prompts import build_prompt, encode_prompt
+from kvjax.models import load_model
+from kvjax.models.model import BUNDLED, BUNDLED_MODEL_DIR, resolve_checkpoint
 
-BUNDLED_MODEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "assets" / "model"
+__all__ = ["BUNDLED_MODEL_DIR", "load", "make_generate_fn", "make_logits_fn", "resolve_model"]
 
 
 def resolve_model(spec: str | None) -> str:
-    """``bundled`` (or None) -> the model shipped in the package; anything else is a folder or Hub id."""
-    if spec in (None, "bundled"):
-        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
-            raise FileNotFoundError(
-                f"the bundled model is not in this installation ({BUNDLED_MODEL_DIR} has no config.json); "
-                "pass --model with a local folder or a Hub id")
-        return str(BUNDLED_MODEL_DIR)
+    """``bundled`` (or None) -> the model shipped in the package; a ``.gguf`` file or a folder as is;
+    anything else is a Hub id (see `kvjax.models.model.resolve_checkpoint`)."""
+    if spec in (None, BUNDLED):
+        return str(resolve_checkpoint(BUNDLED))
     return str(spec)
 
 
 def load(spec: str | None) -> Any:
-    """The `kvjax.models.Model` for ``spec`` (see `resolve_model`)."""
-    from kvjax.models import load_model
-
-    return load_model(resolve_model(spec))
+    """The `kvjax.models.Model` for ``spec``: a folder, a Hub id, a ``.gguf`` file or ``bundled`` (None)."""
+    return load_model(BUNDLED if spec is None else spec)
 
 
 def _split_ids(samples: list[dict[str, Any]], tokenizer: Any, query_aware: bool) -> tuple[list, list]:
