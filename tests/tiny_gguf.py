@@ -7,6 +7,7 @@ template goes into the metadata.
 """
 
 import json
+import math
 import pathlib
 
 import gguf
@@ -41,6 +42,23 @@ def tiny_vocab(vocab_size: int = 320) -> tuple[list[str], list[str]]:
     merges = json.loads(tok.to_str())["model"]["merges"]
     merges = [m if isinstance(m, str) else " ".join(m) for m in merges]
     return tokens, merges
+
+
+def llama3_rope_factors(theta: float, head_dim: int, rope: dict) -> np.ndarray:
+    """llama.cpp's `rope_freqs` divisors for llama3 RoPE scaling (convert_hf_to_gguf.py, LlamaModel)."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    factors = []
+    for freq in 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            factors.append(1.0)
+        elif wavelen > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(factors, np.float32)
 
 
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -84,7 +102,7 @@ def write_gguf(family: str, folder: pathlib.Path, *, qtype: T = T.F32, arch: str
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    arch = arch or {"llama2": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family]
+    arch = arch or {"llama2": "llama", "llama3": "llama", "llama3.1": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}[family]
     path = folder / name
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -130,6 +148,9 @@ def write_gguf(family: str, folder: pathlib.Path, *, qtype: T = T.F32, arch: str
         else:
             data = quants.quantize(x, kind)
         w.add_tensor(name_, data, raw_dtype=kind if kind not in (T.F32, T.F16) else None)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(float(rope["rope_theta"]), head_dim, rope))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

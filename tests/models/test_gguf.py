@@ -4,9 +4,12 @@ Tiny files are written with `gguf.GGUFWriter` (tests/tiny_gguf.py); the real one
 Q4_1 fixture in ../shared/fixtures.
 """
 
+import dataclasses
+import json
 import os
 import pathlib
-import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -113,6 +116,30 @@ def test_k_quants_and_5bit_match_transformers(tmp_path):
     _check_logits(path)
 
 
+def test_llama3_rope_freqs_become_llama3_scaling(tmp_path):
+    """llama.cpp stores Llama 3.1 RoPE scaling as a rope_freqs tensor: logits at far positions equal the
+    HF model's (with rope_scaling llama3), and differ from unscaled RoPE."""
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+    path, hf = write_gguf("llama3.1", tmp_path, overrides={"rope_scaling": rope, "max_position_embeddings": 8192})
+    model = kvjax.load_model(path)
+    cfg = model.config
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_original_max_position) == ("llama3", 8.0, 8192)
+    ids = RNG.randint(3, cfg.vocab_size, 12).tolist()
+    positions = np.arange(6000, 6000 + len(ids))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids]), position_ids=torch.from_numpy(positions[None])).logits[0].numpy()
+
+    def ours(c):
+        return np.asarray(_extend(model.params, c, None, jnp.asarray([ids]), jnp.asarray([positions]), fresh=True)[0][0])
+
+    err = np.abs(ours(cfg) - want).max()
+    assert err < 1e-5 * np.abs(want).max()
+    # random tiny weights attend almost uniformly, so RoPE moves logits little; but far more than the error
+    unscaled = dataclasses.replace(cfg, rope_type="default")
+    assert np.abs(ours(unscaled) - want).max() > 20 * err
+
+
 def test_unpermute_inverts_llama_cpp_permute():
     # llama.cpp: rows (j, j + D/2) of each head -> adjacent rows (2j, 2j + 1)
     heads, D = 3, 8
@@ -188,13 +215,18 @@ FIXTURE = (pathlib.Path(__file__).resolve().parents[2] / ".." / "shared" / "fixt
 PROMPTS = ["What is the capital of France?", "Name three primary colors.", "What is 2 + 2?"]
 
 
-@pytest.fixture(scope="module")
-def smollm():
+def require_fixture() -> None:
+    """Skips where the fixture folder is absent, with a clear message; never in CI (there it fails)."""
     if not FIXTURE.exists():
         msg = f"the SmolLM2 GGUF fixture is absent ({FIXTURE.resolve()})"
         if os.environ.get("CI"):
             pytest.fail(msg + ": CI must have it")
         pytest.skip(msg)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    require_fixture()
     return kvjax.load_model(FIXTURE)
 
 
@@ -227,3 +259,21 @@ def test_fixture_greedy_answers_match_transformers(smollm):
         n = int(out.lengths[b])
         assert out.tokens[b, :n].tolist() == hf[:n], (prompt, out.texts[b], theirs.decode(hf))
         assert n == len(hf) or (n < len(hf) and hf[n - 1] == smollm.tokenizer.eos_token_id)
+
+
+@pytest.mark.slow
+def test_eval_cli_on_the_fixture(tmp_path):
+    """`python -m kvjax.eval --model <file.gguf>`: RULER niah_single_1 at 2K with the full cache (about 96;
+    about 2 minutes of CPU time, 4-6 minutes of wall time on 2 shared CPU cores)."""
+    require_fixture()
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root)] + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+    cmd = [sys.executable, "-m", "kvjax.eval", "--model", str(FIXTURE), "--tasks", "niah_single_1", "--policies",
+           "none", "--context-length", "2048", "--num-samples", "4", "--out", str(tmp_path / "out"), "--no-progress"]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    assert len(rows) == 4
+    summary = json.loads((tmp_path / "out" / "metrics.json").read_text())["summary"]
+    [full] = [r for r in summary if r["task"] == "niah_single_1" and r["policy"] == "full"]
+    assert full["n"] == 4 and full["score"] >= 75, summary
