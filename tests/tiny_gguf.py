@@ -44,6 +44,18 @@ def tiny_vocab(vocab_size: int = 320) -> tuple[list[str], list[str]]:
     return tokens, merges
 
 
+def tiny_spm_vocab() -> tuple[list[str], list[float], list[int]]:
+    """(tokens, scores, token types) of a tiny SentencePiece-style vocabulary (byte fallback, "▁" spaces)."""
+    pieces = ["▁"] + sorted({c for text in CORPUS for c in text if not c.isspace()})
+    words = sorted({"▁" + w for text in CORPUS for w in text.split()})[:40]
+    pairs = sorted({w[:2] for w in words if len(w) > 2})
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)] + pieces + pairs + words
+    tokens = list(dict.fromkeys(tokens))
+    scores = [0.0] * 259 + [-float(i) for i in range(len(tokens) - 259)]
+    types = [2, 3, 3] + [6] * 256 + [1] * (len(tokens) - 259)
+    return tokens, scores, types
+
+
 def llama3_rope_factors(theta: float, head_dim: int, rope: dict) -> np.ndarray:
     """llama.cpp's `rope_freqs` divisors for llama3 RoPE scaling (convert_hf_to_gguf.py, LlamaModel)."""
     factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
@@ -86,14 +98,19 @@ def gguf_name(hf: str) -> str:
 
 def write_gguf(family: str, folder: pathlib.Path, *, qtype: T = T.F32, arch: str | None = None,
                add_bos: bool = True, pre: str | None = None, seed: int = 0, name: str = "model.gguf",
-               overrides: dict | None = None, qtypes: dict | None = None) -> tuple[pathlib.Path, torch.nn.Module]:
+               overrides: dict | None = None, qtypes: dict | None = None, spm: bool = False) -> tuple[pathlib.Path, torch.nn.Module]:
     """Writes a tiny GGUF of `family` (tiny_models.FAMILIES) into folder; returns (path, the HF model).
 
     qtype: the type of 2-D weights (norms and biases stay F32); qtypes: per-GGUF-name overrides, given
     as a type or a function `(float32 array) -> (bytes array, type)` for types gguf cannot quantize.
     arch: the GGUF architecture written (default: the family's).
+    spm: a SentencePiece vocabulary (tokenizer.ggml.model "llama") instead of byte-level BPE.
     """
-    tokens, merges = tiny_vocab()
+    if spm:
+        tokens, scores, types = tiny_spm_vocab()
+    else:
+        tokens, merges = tiny_vocab()
+        types = [3 if t in SPECIALS else 1 for t in tokens]
     cfg_cls, extra = FAMILIES[family]
     cfg = cfg_cls(**{**COMMON, **extra, "vocab_size": len(tokens), "bos_token_id": 1, "eos_token_id": 2,
                      **(overrides or {})})
@@ -118,16 +135,21 @@ def write_gguf(family: str, folder: pathlib.Path, *, qtype: T = T.F32, arch: str
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(len(tokens))
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre or ("qwen2" if arch.startswith("qwen") else "llama-bpe"))
     w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIALS else 1 for t in tokens])
-    w.add_token_merges(merges)
+    w.add_token_types(types)
+    if spm:
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(scores)
+        w.add_unk_token_id(0)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre(pre or ("qwen2" if arch.startswith("qwen") else "llama-bpe"))
+        w.add_token_merges(merges)
+        w.add_pad_token_id(0)
+        w.add_chat_template(CHATML)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
     w.add_add_bos_token(add_bos)
-    w.add_chat_template(CHATML)
     tied = cfg.tie_word_embeddings
     for hf_name, t in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":

@@ -166,6 +166,20 @@ def test_tiny_tokenizer_matches_transformers(tmp_path, family, add_bos):
             == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
 
 
+def test_sentencepiece_vocabulary_goes_through_transformers(tmp_path):
+    """tokenizer.ggml.model "llama" (SentencePiece): built by transformers' own GGUF conversion."""
+    path, _ = write_gguf("llama2", tmp_path, spm=True)
+    ours = kvjax.load_model(path).tokenizer
+    theirs = AutoTokenizer.from_pretrained(tmp_path, gguf_file=path.name)
+    for text in TEXTS:
+        ids = ours(text)["input_ids"]
+        assert ids == theirs(text)["input_ids"] and ids[0] == 1, text
+        assert ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True)
+    spm_space = ours.convert_tokens_to_ids("\u2581")
+    assert ours("\u2713")["input_ids"] == [1, spm_space] + [3 + b for b in "\u2713".encode()]  # byte fallback
+    assert ours.decode(ours("The capital")["input_ids"], skip_special_tokens=True) == "The capital"
+
+
 # ---- bad input ---------------------------------------------------------------------------------
 
 
