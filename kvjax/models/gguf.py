@@ -74,6 +74,9 @@ class GGUFFile:
             end = max((int(t.data_offset) + int(t.n_bytes) for t in self._reader.tensors), default=0)
         except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
             raise ValueError(f"corrupt or truncated GGUF file {self.path}: {type(e).__name__}: {e}") from None
+        if int(self.metadata.get("split.count", 1)) > 1:
+            raise ValueError(f"GGUF file {self.path} is one of {self.metadata['split.count']} split files; "
+                             "merge them first (llama.cpp's gguf-split --merge)")
         size = self.path.stat().st_size
         if end > size:
             raise ValueError(f"truncated GGUF file {self.path}: its tensors need {end} bytes, the file has {size}")
