@@ -73,6 +73,9 @@ class GGUFFile:
             self.tensors = {t.name: t for t in self._reader.tensors}
             end = max((int(t.data_offset) + int(t.n_bytes) for t in self._reader.tensors), default=0)
         except Exception as e:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
+            if "GGMLQuantizationType" in str(e):  # a type id newer than (or unknown to) the gguf package
+                raise ValueError(f"GGUF file {self.path} has a tensor of unknown type ({e}); kvjax supports "
+                                 f"{list(SUPPORTED_TENSOR_TYPES)}") from None
             raise ValueError(f"corrupt or truncated GGUF file {self.path}: {type(e).__name__}: {e}") from None
         if int(self.metadata.get("split.count", 1)) > 1:
             raise ValueError(f"GGUF file {self.path} is one of {self.metadata['split.count']} split files; "

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import struct
 import subprocess
 import sys
 
@@ -212,6 +213,18 @@ def test_unsupported_tensor_type_is_named(tmp_path):
     iq4 = lambda x: (RNG.randint(0, 256, (x.shape[0], x.shape[1] // 32 * 18)).astype(np.uint8), T.IQ4_NL)
     path, _ = write_gguf("llama3", tmp_path, qtypes={"blk.1.ffn_up.weight": iq4})
     with pytest.raises(ValueError, match=r"blk\.1\.ffn_up\.weight.*IQ4_NL.*supported types: \[.*Q4_K"):
+        kvjax.load_model(path)
+
+
+def test_unknown_tensor_type_id_is_named(tmp_path):
+    path, _ = write_gguf("llama3", tmp_path)
+    data = bytearray(path.read_bytes())
+    # tensor info: name, n_dims u32, dims u64 x n_dims, type u32, offset u64
+    at = data.index(b"blk.1.ffn_up.weight") + len(b"blk.1.ffn_up.weight")
+    n_dims = struct.unpack_from("<I", data, at)[0]
+    struct.pack_into("<I", data, at + 4 + 8 * n_dims, 99)
+    path.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=r"model\.gguf has a tensor of unknown type .*99.*supports \[.*Q6_K"):
         kvjax.load_model(path)
 
 
