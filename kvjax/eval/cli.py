@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "full cache, on long-context tasks; write per-sample results, a summary table and a plot.")
     a = p.add_argument
     a("--config", help="YAML config file, or a name in configs/ (eval_NAME.yaml)")
-    a("--model", help="'bundled' (the small model shipped in kvjax), a local folder, or a Hub id (default: bundled)")
+    a("--model", help="'bundled' (the small model shipped in kvjax), a local folder, a .gguf file, or a Hub id "
+                     "(default: bundled)")
     a("--tasks", nargs="+", metavar="TASK", help="task or suite names, space or comma separated (default: default)")
     a("--policies", nargs="+", metavar="POLICY",
       help="preset names in any spelling (snapkv, SnapKV, SnapKVPress), 'all' (default: every registered "

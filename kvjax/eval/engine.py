@@ -10,25 +10,33 @@ from typing import Any
 
 from kvjax import engine
 from kvjax.eval.prompts import build_prompt, encode_prompt
+from kvjax.models import load_model
+from kvjax.models.gguf import GGUFFile, config_dict, is_gguf
+from kvjax.models.model import BUNDLED, BUNDLED_MODEL_DIR, resolve_checkpoint
 
-BUNDLED_MODEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "assets" / "model"
+__all__ = ["BUNDLED_MODEL_DIR", "load", "make_generate_fn", "make_logits_fn", "resolve_model"]
 
 
 def resolve_model(spec: str | None) -> str:
-    """``bundled`` (or None) -> the model shipped in the package; anything else is a folder or Hub id."""
-    if spec in (None, "bundled"):
-        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
-            raise FileNotFoundError(
-                f"the bundled model is not in this installation ({BUNDLED_MODEL_DIR} has no config.json); "
-                "pass --model with a local folder or a Hub id")
-        return str(BUNDLED_MODEL_DIR)
+    """``bundled`` (or None) -> the model shipped in the package; a ``.gguf`` file or a folder as is;
+    anything else is a Hub id (see `kvjax.models.model.resolve_checkpoint`)."""
+    if spec in (None, BUNDLED):
+        return str(resolve_checkpoint(BUNDLED))
     return str(spec)
 
 
 def model_positions(spec: str | None) -> tuple[int | None, str]:
-    """The model's max_position_embeddings read from its config.json, without loading it, and that
-    file's path; (None, "") when it is not a local folder with a config (a Hub id, a single file)."""
-    path = pathlib.Path(resolve_model(spec)) / "config.json"
+    """The model's max_position_embeddings, read without loading its weights (a folder's
+    config.json, or a GGUF file's metadata), and the file it came from; (None, "") for a Hub id
+    or a file that cannot be read here (loading then reports the problem)."""
+    resolved = resolve_model(spec)
+    if is_gguf(resolved):
+        try:
+            value = config_dict(GGUFFile(resolved)).get("max_position_embeddings")
+        except (OSError, ValueError):
+            return None, ""
+        return (int(value) if value is not None else None), resolved
+    path = pathlib.Path(resolved) / "config.json"
     if not path.is_file():
         return None, ""
     try:
@@ -39,10 +47,8 @@ def model_positions(spec: str | None) -> tuple[int | None, str]:
 
 
 def load(spec: str | None) -> Any:
-    """The `kvjax.models.Model` for ``spec`` (see `resolve_model`)."""
-    from kvjax.models import load_model
-
-    return load_model(resolve_model(spec))
+    """The `kvjax.models.Model` for ``spec``: a folder, a Hub id, a ``.gguf`` file or ``bundled`` (None)."""
+    return load_model(BUNDLED if spec is None else spec)
 
 
 def _split_ids(samples: list[dict[str, Any]], tokenizer: Any, query_aware: bool) -> tuple[list, list]:
