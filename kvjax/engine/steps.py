@@ -1,4 +1,9 @@
-"""The engine's jitted programs: model prefill, policy compression, chunk feed and the decode loop.
+"""The engine's jitted programs: model prefill, LookaheadKV's lookahead pass, policy compression,
+chunk feed and the decode loop.
+
+The lookahead pass runs only for policies whose requirements ask for `ObservationSpec(lookahead=True)`:
+after the shared prompt prefill, the policy's adapter tokens attend to the prompt cache (never
+written into it) and their attention mass becomes the run's `query_mass` observation.
 
 Each program compiles once per static configuration (bucket, batch size, observation spec,
 policy, capacity, decode-step bucket) and is reused by later calls; `TRACE_COUNTS` counts the
