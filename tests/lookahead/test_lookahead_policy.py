@@ -11,7 +11,7 @@ from conftest import prompts
 import kvjax
 import kvjax.lookahead as lk
 import lkv_reference as ref
-from kvjax.engine import Setting, steps
+from kvjax.engine import STEP_BUCKETS, Setting, bucket_length, steps
 from kvjax.policies import Ada, LookaheadKV, Pyramid
 from kvjax.policies.allocators import pyramid_paper
 from kvjax.sampling import Sampler
@@ -73,6 +73,10 @@ def test_generate_exact_counts_and_no_lookahead_kv_in_the_decode_cache(tiny, ada
     settings = [Setting(None), Setting(policy, budget=10), Setting(policy, budget=64)]
     full, out, same = kvjax.engine.generate_settings(tiny, ids, settings, max_new_tokens=6, stop_tokens=[])
     np.testing.assert_allclose(out.kept, 10)
+    cfg = tiny.config  # the decode cache holds the budget plus the decode room, nothing for the lookahead tokens
+    room = bucket_length(6, STEP_BUCKETS)
+    assert out.cache_bytes == kvjax.KVCache.init(cfg.num_layers, 3, cfg.num_kv_heads, 10 + room, cfg.head_dim,
+                                                 cfg.jnp_dtype).nbytes()
     assert (out.tokens[:, 0] == full.tokens[:, 0]).all()  # the first token comes from the frozen prefill
     np.testing.assert_array_equal(same.tokens, full.tokens)  # nothing evicted: the lookahead pass left no trace
     np.testing.assert_allclose(same.kept, lengths)
