@@ -4,13 +4,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import lkv_reference as ref
 import numpy as np
 import pytest
 from conftest import prompts
 
 import kvjax
 import kvjax.lookahead as lk
-import lkv_reference as ref
 from kvjax.engine import STEP_BUCKETS, Setting, bucket_length, steps
 from kvjax.policies import Ada, LookaheadKV, Pyramid
 from kvjax.policies.allocators import pyramid_paper
@@ -130,7 +130,7 @@ def test_errors(tiny, adapter, tmp_path):
     with pytest.raises(ValueError, match="trained for another model"):
         kvjax.generate(other, ids, policy=LookaheadKV(adapter=adapter), budget=8, max_new_tokens=2)
     short = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, max_position_embeddings=24))
-    with pytest.raises(ValueError, match=r"plus n_tokens=4 lookahead tokens needs 25 positions.*max_position_embeddings=24"):
+    with pytest.raises(ValueError, match=r"n_tokens=4 lookahead tokens needs 25 positions.*max_position_embeddings=24"):
         kvjax.generate(short, [ids[0][:19] + [5, 6]], policy=LookaheadKV(adapter=adapter), budget=8,
                        max_new_tokens=2)
     with pytest.raises(TypeError, match="adapter must be a kvjax.lookahead.Adapter"):
