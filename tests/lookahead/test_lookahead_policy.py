@@ -11,7 +11,7 @@ from conftest import prompts
 
 import kvjax
 import kvjax.lookahead as lk
-from kvjax.engine import STEP_BUCKETS, Setting, bucket_length, steps
+from kvjax.engine import STEP_BUCKETS, TRACE_COUNTS, Setting, bucket_length, steps
 from kvjax.policies import Ada, LookaheadKV, Pyramid
 from kvjax.policies.allocators import pyramid_paper
 from kvjax.sampling import Sampler
@@ -148,3 +148,16 @@ def test_bundled_or_folder_adapter(tiny, adapter, tmp_path, monkeypatch):
     out = kvjax.generate(tiny, ids, policy=LookaheadKV(adapter=str(tmp_path / "ad")), budget=8, max_new_tokens=2,
                          stop_tokens=[])
     np.testing.assert_allclose(out.kept, 8)
+
+
+def test_shared_prefill_with_another_policy_and_one_compile_per_bucket(tiny, adapter):
+    ids = _ids(tiny, (40, 45, 38), 5)
+    policy = LookaheadKV(adapter=adapter)
+    alone = kvjax.generate(tiny, ids, policy=policy, budget=10, max_new_tokens=4, stop_tokens=[])
+    both = kvjax.engine.generate_settings(tiny, ids, [Setting("snapkv", budget=36), Setting(policy, budget=10)],
+                                          max_new_tokens=4, stop_tokens=[])
+    np.testing.assert_array_equal(both[1].tokens, alone.tokens)
+    np.testing.assert_allclose(both[0].kept, 36)
+    before = TRACE_COUNTS["lookahead"]
+    kvjax.generate(tiny, _ids(tiny, (50, 33, 61), 6), policy=policy, budget=10, max_new_tokens=4, stop_tokens=[])
+    assert TRACE_COUNTS["lookahead"] == before  # same bucket and batch: the lookahead pass is not traced again
