@@ -43,6 +43,9 @@ def _positive(name: str, value: int) -> None:
 class ModelSection:
     path: str = "bundled"  # "bundled", a local folder, a Hub id, or a .gguf file
     dtype: str | None = None  # None: the checkpoint's own
+    # HF config.json fields of the model: lets `--dry-run` lower a train step with abstract weights
+    # (no download, no memory), e.g. for a pod config checked on a laptop
+    architecture: dict[str, Any] | None = None
 
     def __post_init__(self):
         _choice("model.dtype", self.dtype, MODEL_DTYPES)
@@ -220,6 +223,10 @@ def _value(tp: Any, value: Any, where: str) -> Any:
         return _value(args[0], value, where)
     if dataclasses.is_dataclass(tp):
         return _build(tp, value, where)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{where} must be a mapping, got {value!r}")
+        return value
     if origin is tuple:
         if isinstance(value, str) or not isinstance(value, (list, tuple)):
             raise ValueError(f"{where} must be a list, got {value!r}")
