@@ -26,6 +26,7 @@ from kvjax.lookahead import LookaheadConfig
 SOURCE_KINDS = ("synthetic", "jsonl", "parquet", "hf")
 LONG_PROMPTS = ("skip", "error")
 TARGET_DTYPES = ("float32", "float16")
+TARGET_MODES = ("stored", "on_the_fly")
 MODEL_DTYPES = (None, "float32", "bfloat16")
 
 
@@ -100,11 +101,18 @@ class DataSection:
 
 @dataclasses.dataclass(frozen=True)
 class TargetsSection:
+    """mode "stored": the target stage writes s_GT [L, Hq, T] per prompt and the train step reads it;
+    "on_the_fly": the stage writes only the responses, and each train step computes s_GT from the
+    same prompt prefill as the lookahead rows (policies.md §11.4's one-prefill design; no
+    [L, Hq, T] records on disk, one extra response pass per step)."""
+
     max_response_tokens: int = 512  # cap on the frozen model's greedy response
     batch_size: int = 8  # prompts per generation call (one target chunk)
-    dtype: str = "float32"
+    dtype: str = "float32"  # of stored targets
+    mode: str = "stored"
 
     def __post_init__(self):
+        _choice("targets.mode", self.mode, TARGET_MODES)
         _positive("targets.max_response_tokens", self.max_response_tokens)
         _positive("targets.batch_size", self.batch_size)
         _choice("targets.dtype", self.dtype, TARGET_DTYPES)

@@ -201,9 +201,11 @@ def prompt_dataset(data: DataSection, tokenizer: Any) -> grain.MapDataset:
         lambda r: {"id": r["id"], "tokens": encode_record(r, tokenizer, data.chat_template)})
 
 
-def to_example(record: dict[str, np.ndarray], max_prompt_tokens: int) -> dict[str, np.ndarray]:
-    """One target record -> fixed-shape arrays: tokens [T] (pad 0), positions [T] (-1 = pad),
-    target [L, Hq, T] float32 (0 on padding)."""
+def to_example(record: dict[str, np.ndarray], max_prompt_tokens: int,
+               max_response_tokens: int | None = None) -> dict[str, np.ndarray]:
+    """One target record -> fixed-shape arrays: tokens [T] (pad 0), positions [T] (-1 = pad), and
+    target [L, Hq, T] float32 (0 on padding), or for an on-the-fly record response [Y] (pad 0) and
+    response_positions [Y] (continuing the prompt's positions; -1 = pad)."""
     n = len(record["tokens"])
     if n > max_prompt_tokens:
         raise ValueError(f"a target record has {n} prompt tokens > data.max_prompt_tokens={max_prompt_tokens}; "
@@ -211,24 +213,39 @@ def to_example(record: dict[str, np.ndarray], max_prompt_tokens: int) -> dict[st
     tokens = np.zeros(max_prompt_tokens, np.int32)
     tokens[:n] = record["tokens"]
     positions = np.where(np.arange(max_prompt_tokens) < n, np.arange(max_prompt_tokens), -1).astype(np.int32)
-    target = np.zeros(record["target"].shape[:2] + (max_prompt_tokens,), np.float32)
-    target[..., :n] = record["target"][..., :n]
-    return {"tokens": tokens, "positions": positions, "target": target}
+    out = {"tokens": tokens, "positions": positions}
+    if "target" in record:
+        target = np.zeros(record["target"].shape[:2] + (max_prompt_tokens,), np.float32)
+        target[..., :n] = record["target"][..., :n]
+        out["target"] = target
+    else:
+        m, Y = len(record["response"]), max_response_tokens
+        if Y is None or m > Y:
+            raise ValueError(f"a response of {m} tokens does not fit targets.max_response_tokens={Y}")
+        out["response"] = np.zeros(Y, np.int32)
+        out["response"][:m] = record["response"]
+        out["response_positions"] = np.where(np.arange(Y) < m, n + np.arange(Y), -1).astype(np.int32)
+    return out
 
 
 def _layers_first(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """target [B, L, Hq, T] -> [L, B, Hq, T], the layout of kvjax.lookahead.loss_fn."""
+    if "target" not in batch:
+        return batch
     return {**batch, "target": np.ascontiguousarray(batch["target"].transpose(1, 0, 2, 3))}
 
 
 def train_dataset(records: Any, *, batch_size: int, seed: int, max_prompt_tokens: int,
-                  process_index: int = 0, process_count: int = 1) -> grain.IterDataset:
-    """Endless batches of this process's rows: {"tokens" [b, T], "positions" [b, T], "target" [L, b, Hq, T]}
-    with b = batch_size // process_count. Every epoch is a fresh permutation of `records` under `seed`."""
+                  max_response_tokens: int | None = None, process_index: int = 0,
+                  process_count: int = 1) -> grain.IterDataset:
+    """Endless batches of this process's rows: {"tokens" [b, T], "positions" [b, T], and "target"
+    [L, b, Hq, T] or "response" / "response_positions" [b, Y]} with b = batch_size // process_count.
+    Every epoch is a fresh permutation of `records` under `seed`."""
     if batch_size % process_count:
         raise ValueError(f"train.batch_size={batch_size} must be divisible by the {process_count} processes")
     if len(records) < batch_size:
         raise ValueError(f"{len(records)} target records are fewer than train.batch_size={batch_size}")
     ds = grain.MapDataset.source(records).shuffle(seed=seed).repeat(None)
-    ds = ds[process_index::process_count].map(lambda r: to_example(r, max_prompt_tokens))
-    return ds.batch(batch_size // process_count, drop_remainder=True).map(_layers_first).to_iter_dataset()
+    ds = ds[process_index::process_count].map(lambda r: to_example(r, max_prompt_tokens, max_response_tokens))
+    ds = ds.batch(batch_size // process_count, drop_remainder=True).map(_layers_first)
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))

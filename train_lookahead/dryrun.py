@@ -16,13 +16,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from kvjax.lookahead import init_adapter, loss_fn
+from kvjax.lookahead import init_adapter
 from kvjax.models.config import ModelConfig
 from kvjax.models.loading import param_shapes
 from kvjax.models.model import Model
 from kvjax.sharding import param_shardings
 
 from train_lookahead.config import RunConfig
+from train_lookahead.loss import lookahead_loss
 from train_lookahead.train import batch_shardings, build_step, init_state, make_optimizer
 
 
@@ -41,11 +42,15 @@ def abstract_params(cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
 
 
 def abstract_batch(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
-    B, T = run.train.batch_size, run.data.max_prompt_tokens
-    s = batch_shardings(mesh)
-    return {"tokens": jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=s["tokens"]),
-            "positions": jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=s["positions"]),
-            "target": jax.ShapeDtypeStruct((cfg.num_layers, B, cfg.num_heads, T), jnp.float32, sharding=s["target"])}
+    """The batch of `run`'s target mode, abstract, with its shardings."""
+    B, T, Y = run.train.batch_size, run.data.max_prompt_tokens, run.targets.max_response_tokens
+    shapes = {"tokens": ((B, T), jnp.int32), "positions": ((B, T), jnp.int32)}
+    if run.targets.mode == "stored":
+        shapes["target"] = ((cfg.num_layers, B, cfg.num_heads, T), jnp.float32)
+    else:
+        shapes.update(response=((B, Y), jnp.int32), response_positions=((B, Y), jnp.int32))
+    s = batch_shardings(mesh, tuple(shapes))
+    return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s[k]) for k, (shape, dtype) in shapes.items()}
 
 
 def lower_train_step(run: RunConfig, cfg: ModelConfig, mesh: Mesh, steps: int = 1000) -> jax.stages.Lowered:
@@ -60,10 +65,7 @@ def lower_train_step(run: RunConfig, cfg: ModelConfig, mesh: Mesh, steps: int = 
     replicated = NamedSharding(mesh, P())
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          jax.eval_shape(lambda t: init_state(t, tx), trainable))
-
-    def loss(trainable, frozen, batch):
-        return loss_fn(trainable, frozen, cfg, la, batch)
-
-    step = build_step(loss, tx, mesh, param_shardings(cfg, mesh))
+    batch = abstract_batch(run, cfg, mesh)
+    step = build_step(lookahead_loss(cfg, la), tx, mesh, param_shardings(cfg, mesh), tuple(batch))
     with jax.set_mesh(mesh):
-        return step.trace(state, frozen, abstract_batch(run, cfg, mesh)).lower()
+        return step.trace(state, frozen, batch).lower()

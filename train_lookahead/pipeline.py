@@ -16,12 +16,13 @@ from jax.sharding import Mesh
 
 import kvjax
 from kvjax.eval.engine import resolve_model
-from kvjax.lookahead import init_adapter, loss_fn
+from kvjax.lookahead import init_adapter
 from kvjax.sharding import make_mesh, param_shardings
 
 from train_lookahead.config import MeshSection, ModelSection, RunConfig
 from train_lookahead.data import train_dataset
 from train_lookahead.export import export
+from train_lookahead.loss import lookahead_loss
 from train_lookahead.targets import TargetRecords, generate_targets
 from train_lookahead.train import read_log, train
 
@@ -78,15 +79,12 @@ def run(cfg: RunConfig, workdir: str | os.PathLike, *, command: str = "", progre
         raise ValueError(f"{len(records)} target records make no full batch of train.batch_size="
                          f"{cfg.train.batch_size}; lower it or add prompts")
     data = train_dataset(records, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
-                         max_prompt_tokens=cfg.data.max_prompt_tokens, process_index=jax.process_index(),
+                         max_prompt_tokens=cfg.data.max_prompt_tokens,
+                         max_response_tokens=cfg.targets.max_response_tokens, process_index=jax.process_index(),
                          process_count=jax.process_count())
     adapter = init_adapter(model, cfg.lookahead, jax.random.PRNGKey(cfg.train.seed))
-
-    def loss(trainable, frozen, batch):
-        return loss_fn(trainable, frozen, model.config, cfg.lookahead, batch)
-
-    trained, done = train(loss, adapter.params, model.params, param_shardings(model.config, mesh), data, steps=steps,
-                          optim=cfg.optim, mesh=mesh, workdir=workdir, checkpoint_every=cfg.train.checkpoint_every,
+    trained, done = train(lookahead_loss(model.config, cfg.lookahead), adapter.params, model.params,
+                          param_shardings(model.config, mesh), data, steps=steps, optim=cfg.optim, mesh=mesh, workdir=workdir, checkpoint_every=cfg.train.checkpoint_every,
                           log_every=cfg.train.log_every, on_step=on_step, progress=progress)
     out = workdir / "export"
     if jax.process_index() == 0:

@@ -44,17 +44,26 @@ def _targets(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
              response_positions: jax.Array) -> jax.Array:
     """s_GT [L, B, Hq, T] for prompts tokens/positions [B, T] and responses [B, Y] (-1 = pad)."""
     B, T = tokens.shape
+    return response_attention(params, cfg, prefill(params, cfg, tokens, positions), response,
+                              response_positions)[..., :T]
+
+
+def prefill(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array) -> KVCache:
+    """The frozen prompt cache of right-padded tokens/positions [B, T] (slot i = token i), capacity T."""
+    B, T = tokens.shape
     cache = KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, T, cfg.head_dim, cfg.jnp_dtype)
-    _, cache, _ = extend(params, cfg, cache, tokens, positions, fresh=True)
-    return response_attention(params, cfg, cache, response, response_positions)[..., :T]
+    _, cache, _ = extend(params, cfg, cache, tokens, positions, fresh=True,
+                         logit_index=jnp.zeros((B, 1), jnp.int32))  # no [B, T, V] logits
+    return cache
 
 
 def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_tokens: int,
-                  max_response_tokens: int, batch_size: int) -> dict[str, np.ndarray]:
+                  max_response_tokens: int, batch_size: int, attention: bool = True) -> dict[str, np.ndarray]:
     """Responses and s_GT for up to `batch_size` prompts (each at most `max_prompt_tokens` tokens).
 
     Rows are padded to `batch_size` with copies of the first prompt so every chunk has one shape.
-    Returns tokens [n, Tc], lengths [n], target [n, L, Hq, Tc] float32, response [n, Y], response_lengths [n].
+    Returns tokens [n, Tc], lengths [n], target [n, L, Hq, Tc] float32 (only with `attention`),
+    response [n, Y], response_lengths [n].
     """
     n = len(prompts)
     rows = prompts + [prompts[0]] * (batch_size - n)
@@ -72,13 +81,16 @@ def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_to
     steps = np.arange(Y)[None, :]
     response_positions = np.where(steps < out.lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
     response = np.where(response_positions >= 0, response, 0)
+    Tc = int(lengths[:n].max())
+    out_arrays = {"tokens": tokens[:n, :Tc], "lengths": lengths[:n], "response": response[:n],
+                  "response_lengths": out.lengths[:n].astype(np.int32)}
+    if not attention:
+        return out_arrays
     target = np.asarray(jax.device_get(_targets(model.params, model.config, tokens, positions, response,
                                                 response_positions)))  # [L, B, Hq, T]
-    Tc = int(lengths[:n].max())
     target = target.transpose(1, 0, 2, 3)[:n, ..., :Tc]
     target = np.where(np.arange(Tc) < lengths[:n, None, None, None], target, 0.0).astype(np.float32)
-    return {"tokens": tokens[:n, :Tc], "lengths": lengths[:n], "target": target, "response": response[:n],
-            "response_lengths": out.lengths[:n].astype(np.int32)}
+    return {**out_arrays, "target": target}
 
 
 def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSection, workdir: str | os.PathLike, *,
@@ -87,7 +99,7 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
     folder = pathlib.Path(workdir) / "targets"
     folder.mkdir(parents=True, exist_ok=True)
     settings = {"max_prompt_tokens": data.max_prompt_tokens, "max_response_tokens": targets.max_response_tokens,
-                "batch_size": targets.batch_size, "sources": [dataclass_dict(s) for s in data.sources],
+                "batch_size": targets.batch_size, "mode": targets.mode, "sources": [dataclass_dict(s) for s in data.sources],
                 "chat_template": data.chat_template, "model": model_info(model.config)}
     _check_settings(folder, settings)
     if (folder / MANIFEST).exists():
@@ -113,7 +125,8 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
             prompts.append(ids_j)
         _write_chunk(final, ids, prompts and chunk_targets(
             model, prompts, max_prompt_tokens=data.max_prompt_tokens,
-            max_response_tokens=targets.max_response_tokens, batch_size=targets.batch_size), targets.dtype)
+            max_response_tokens=targets.max_response_tokens, batch_size=targets.batch_size,
+            attention=targets.mode == "stored"), targets.dtype)
     counts = [_count(folder / f"chunk_{i:05d}") for i in range(n_chunks)]
     skipped = len(source) - sum(counts)
     manifest = {"chunks": counts, "records": sum(counts), "skipped_long": skipped, **settings}
@@ -162,7 +175,8 @@ def model_info(cfg: ModelConfig) -> dict[str, int]:
 
 
 class TargetRecords:
-    """The finished targets folder as a grain random-access source of {"tokens" [T_i], "target" [L, Hq, T_i]}."""
+    """The finished targets folder as a grain random-access source of {"tokens" [T_i], and
+    "target" [L, Hq, T_i] (mode "stored") or "response" [Y_i] (mode "on_the_fly")}."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = pathlib.Path(folder)
@@ -172,6 +186,7 @@ class TargetRecords:
         self.manifest = json.loads(path.read_text())
         self.chunks = [i for i, n in enumerate(self.manifest["chunks"]) if n]
         self.offsets = np.cumsum([0] + [self.manifest["chunks"][i] for i in self.chunks]).tolist()
+        self.stored = self.manifest["mode"] == "stored"
         self._open: dict[int, dict[str, np.ndarray]] = {}
 
     def __len__(self) -> int:
@@ -180,7 +195,8 @@ class TargetRecords:
     def _arrays(self, chunk: int) -> dict[str, np.ndarray]:
         if chunk not in self._open:
             d = self.folder / f"chunk_{chunk:05d}"
-            self._open[chunk] = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in ("tokens", "lengths", "target")}
+            names = ("tokens", "lengths", "target") if self.stored else ("tokens", "lengths", "response", "response_lengths")
+            self._open[chunk] = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in names}
         return self._open[chunk]
 
     def __getitem__(self, i: int) -> dict[str, np.ndarray]:
@@ -190,4 +206,6 @@ class TargetRecords:
         a = self._arrays(self.chunks[k])
         j = i - self.offsets[k]
         n = int(a["lengths"][j])
-        return {"tokens": np.asarray(a["tokens"][j, :n]), "target": np.asarray(a["target"][j, ..., :n], np.float32)}
+        if self.stored:
+            return {"tokens": np.asarray(a["tokens"][j, :n]), "target": np.asarray(a["target"][j, ..., :n], np.float32)}
+        return {"tokens": np.asarray(a["tokens"][j, :n]), "response": np.asarray(a["response"][j, : a["response_lengths"][j]])}

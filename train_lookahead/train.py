@@ -42,13 +42,20 @@ def make_optimizer(optim: OptimSection, steps: int) -> optax.GradientTransformat
                        optax.adamw(schedule, b1=optim.b1, b2=optim.b2, weight_decay=optim.weight_decay))
 
 
-def batch_shardings(mesh: Mesh) -> dict[str, NamedSharding]:
-    """tokens / positions [B, T] and target [L, B, Hq, T]: rows over the "data" axis."""
-    return {"tokens": NamedSharding(mesh, P("data", None)), "positions": NamedSharding(mesh, P("data", None)),
-            "target": NamedSharding(mesh, P(None, "data", None, None))}
+BATCH_KEYS = ("tokens", "positions", "target", "response", "response_positions")
 
 
-def build_step(loss: LossFn, tx: optax.GradientTransformation, mesh: Mesh, frozen_shardings: Any) -> Callable:
+def batch_shardings(mesh: Mesh, keys: tuple[str, ...] = ("tokens", "positions", "target")) -> dict[str, NamedSharding]:
+    """Rows over the "data" axis: tokens / positions [B, T], response / response_positions [B, Y],
+    target [L, B, Hq, T]."""
+    unknown = set(keys) - set(BATCH_KEYS)
+    if unknown:
+        raise ValueError(f"unknown batch key(s) {sorted(unknown)}; accepted: {BATCH_KEYS}")
+    return {k: NamedSharding(mesh, P(None, "data", None, None) if k == "target" else P("data", None)) for k in keys}
+
+
+def build_step(loss: LossFn, tx: optax.GradientTransformation, mesh: Mesh, frozen_shardings: Any,
+               keys: tuple[str, ...] = ("tokens", "positions", "target")) -> Callable:
     """The jitted step (state, frozen, batch) -> (state, {"loss", "grad_norm"}); the state is donated."""
 
     def step(state, frozen, batch):
@@ -59,7 +66,7 @@ def build_step(loss: LossFn, tx: optax.GradientTransformation, mesh: Mesh, froze
         return new, {"loss": value, "grad_norm": optax.global_norm(grads)}
 
     replicated = NamedSharding(mesh, P())
-    return jax.jit(step, in_shardings=(replicated, frozen_shardings, batch_shardings(mesh)),
+    return jax.jit(step, in_shardings=(replicated, frozen_shardings, batch_shardings(mesh, keys)),
                    out_shardings=(replicated, replicated), donate_argnums=0)
 
 
@@ -70,7 +77,7 @@ def init_state(trainable: Any, tx: optax.GradientTransformation) -> dict[str, An
 
 def put_batch(batch: dict[str, np.ndarray], mesh: Mesh) -> dict[str, jax.Array]:
     """This process's rows -> global arrays sharded over "data" (one process: the batch as is)."""
-    shardings = batch_shardings(mesh)
+    shardings = batch_shardings(mesh, tuple(batch))
     rows = batch["tokens"].shape[0] * jax.process_count()
     if rows % mesh.shape["data"]:
         raise ValueError(f"train.batch_size={rows} must be divisible by the mesh's data axis ({mesh.shape['data']}); "
@@ -100,7 +107,7 @@ def train(loss: LossFn, trainable: Any, frozen: Any, frozen_shardings: Any, data
         iterator.set_state(saved["data"])
     start = int(state["step"])
     _drop_log_rows_after(workdir / LOG, start)
-    step_fn = build_step(loss, tx, mesh, frozen_shardings)
+    step_fn = None
     frozen = jax.device_put(frozen, frozen_shardings)
     schedule = _learning_rate(optim, steps)
     t0 = time.time()
@@ -109,6 +116,8 @@ def train(loss: LossFn, trainable: Any, frozen: Any, frozen_shardings: Any, data
                                                    disable=not progress) as bar:
             for step in range(start, steps):
                 batch = put_batch(next(iterator), mesh)
+                if step_fn is None:
+                    step_fn = build_step(loss, tx, mesh, frozen_shardings, tuple(batch))
                 state, metrics = step_fn(state, frozen, batch)
                 done = step + 1
                 ckpt.save(done, state, {"data": iterator.get_state()}, force=done == steps)
