@@ -63,7 +63,7 @@ def build_step(loss: LossFn, tx: optax.GradientTransformation, mesh: Mesh, froze
         updates, opt_state = tx.update(grads, state["opt_state"], state["trainable"])
         new = {"trainable": optax.apply_updates(state["trainable"], updates), "opt_state": opt_state,
                "step": state["step"] + 1}
-        return new, {"loss": value, "grad_norm": optax.global_norm(grads)}
+        return new, {"loss": value, "grad_norm": optax.tree.norm(grads)}
 
     replicated = NamedSharding(mesh, P())
     return jax.jit(step, in_shardings=(replicated, frozen_shardings, batch_shardings(mesh, keys)),

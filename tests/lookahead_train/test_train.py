@@ -96,7 +96,9 @@ def test_eight_devices_resume_exactly_and_match_one_device(stories_path, tmp_pat
     assert steps == STEPS
     for a, b, c in zip(leaves(resumed), leaves(full), leaves(one_device[0])):
         np.testing.assert_array_equal(a, b)
-        np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-5)
+        # sharded reductions sum in another order; Adam's g / sqrt(v) turns those float32 rounding
+        # differences into up to ~1e-4 of the lr-1e-2 updates (5 steps move params by up to 5e-2)
+        np.testing.assert_allclose(a, c, rtol=1e-3, atol=2e-4)
 
 
 @pytest.mark.slow
