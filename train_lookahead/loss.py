@@ -8,6 +8,7 @@ then kvjax.lookahead.kl_loss.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -32,8 +33,10 @@ def on_the_fly_loss(adapter_params: Any, model_params: Any, model_cfg: ModelConf
     return kl_loss(target, predicted, positions >= 0)
 
 
+@functools.cache
 def lookahead_loss(model_cfg: ModelConfig, config: LookaheadConfig):
-    """loss(trainable, frozen, batch) for the train loop: stored targets when the batch has "target"."""
+    """loss(trainable, frozen, batch) for the train loop: stored targets when the batch has "target".
+    One function per (model config, lookahead config), so the train loop's compiled step is reused."""
 
     def loss(trainable: Any, frozen: Any, batch: dict[str, jax.Array]) -> jax.Array:
         if "target" in batch:

@@ -54,6 +54,20 @@ def batch_shardings(mesh: Mesh, keys: tuple[str, ...] = ("tokens", "positions", 
     return {k: NamedSharding(mesh, P(None, "data", None, None) if k == "target" else P("data", None)) for k in keys}
 
 
+_STEPS: dict[tuple, Callable] = {}  # jitted steps by (loss, optim, steps, mesh, keys, frozen shardings)
+
+
+def cached_step(loss: LossFn, optim: OptimSection, steps: int, mesh: Mesh, frozen_shardings: Any,
+                keys: tuple[str, ...]) -> Callable:
+    """`build_step` for these settings, built once per process: a resumed or repeated run in the same
+    process (tests, notebooks) reuses the compiled step."""
+    leaves, treedef = jax.tree.flatten(frozen_shardings)
+    key = (loss, optim, steps, mesh, keys, treedef, tuple(leaves))
+    if key not in _STEPS:
+        _STEPS[key] = build_step(loss, make_optimizer(optim, steps), mesh, frozen_shardings, keys)
+    return _STEPS[key]
+
+
 def build_step(loss: LossFn, tx: optax.GradientTransformation, mesh: Mesh, frozen_shardings: Any,
                keys: tuple[str, ...] = ("tokens", "positions", "target")) -> Callable:
     """The jitted step (state, frozen, batch) -> (state, {"loss", "grad_norm"}); the state is donated."""
@@ -117,7 +131,7 @@ def train(loss: LossFn, trainable: Any, frozen: Any, frozen_shardings: Any, data
             for step in range(start, steps):
                 batch = put_batch(next(iterator), mesh)
                 if step_fn is None:
-                    step_fn = build_step(loss, tx, mesh, frozen_shardings, tuple(batch))
+                    step_fn = cached_step(loss, optim, steps, mesh, frozen_shardings, tuple(batch))
                 state, metrics = step_fn(state, frozen, batch)
                 done = step + 1
                 ckpt.save(done, state, {"data": iterator.get_state()}, force=done == steps)

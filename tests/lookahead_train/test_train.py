@@ -1,7 +1,7 @@
 """The train loop: a run interrupted after step k and resumed ends with the parameters of an
 uninterrupted run (same data order), on 1 device and on a 4 (data) x 2 (model) mesh of 8 fake CPU
 devices; and 8 devices equal 1 device within float tolerance. The loss is kvjax.lookahead.loss_fn
-on the real stories260K model."""
+(via train_lookahead.loss) on the real stories260K model."""
 
 import os
 import pathlib
@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 
 import kvjax
-from kvjax.lookahead import LookaheadConfig, init_adapter, loss_fn
+from kvjax.lookahead import LookaheadConfig, init_adapter
 from kvjax.sharding import make_mesh, param_shardings
 from train_lookahead.config import OptimSection
 from train_lookahead.data import train_dataset
+from train_lookahead.loss import lookahead_loss
 from train_lookahead.train import read_log, train
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -44,16 +45,13 @@ def run(stories_path, workdir, data=1, model=1, stop_after=None, hard=False):
     adapter = init_adapter(m, LA, jax.random.PRNGKey(0))
     ds = train_dataset(records(), batch_size=8, seed=3, max_prompt_tokens=T)
 
-    def loss(trainable, frozen, batch):
-        return loss_fn(trainable, frozen, m.config, LA, batch)
-
     def on_step(step, row):
         if step == stop_after:
             if hard:
                 os._exit(9)
             raise KeyboardInterrupt
 
-    return train(loss, adapter.params, m.params, param_shardings(m.config, mesh), ds, steps=STEPS,
+    return train(lookahead_loss(m.config, LA), adapter.params, m.params, param_shardings(m.config, mesh), ds, steps=STEPS,
                  optim=OptimSection(learning_rate=1e-2, warmup_fraction=0.2), mesh=mesh, workdir=workdir,
                  checkpoint_every=2, log_every=1, on_step=on_step, progress=False)
 
