@@ -6,6 +6,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import yaml
@@ -38,3 +39,26 @@ def test_a_bad_pod_mesh_fails_on_cpu(tmp_path):
     bad.write_text(yaml.safe_dump(cfg))
     out = dry_run(bad, tmp_path, 12)
     assert out.returncode != 0 and "train.batch_size=8" in out.stderr
+
+
+@pytest.mark.slow
+def test_pod_step_compiles_with_weights_sharded_four_ways(tmp_path):
+    """XLA compiles the 16-device program (SPMD partitioning included); each device's arguments are
+    about a quarter of the 16 GB of bf16 weights, so the model axis really shards them. (CPU memory
+    figures for temporaries are not TPU figures: the CPU upcasts bf16 matmuls.)"""
+    code = textwrap.dedent(f"""
+        import jax
+        from train_lookahead import dryrun
+        from train_lookahead.config import RunConfig
+        from train_lookahead.pipeline import build_mesh
+        cfg = RunConfig.from_yaml({str(POD)!r})
+        compiled = dryrun.lower_train_step(cfg, dryrun.model_config(cfg), build_mesh(cfg.mesh)).compile()
+        print("ARGS", compiled.memory_analysis().argument_size_in_bytes)
+    """)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=16",
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-3000:]
+    args = int(out.stdout.split("ARGS")[1].split()[0])
+    weights = 8.03e9 * 2  # Llama-3.1-8B parameters in bf16
+    assert weights / 4 * 0.9 < args < weights / 4 * 1.2
