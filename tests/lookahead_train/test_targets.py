@@ -4,13 +4,17 @@
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 import torch
 import transformers
 
 import kvjax
+from kvjax.lookahead import LookaheadConfig, init_adapter
 from train_lookahead.config import DataSection, SourceSection, TargetsSection
+from train_lookahead.data import to_example
+from train_lookahead.loss import lookahead_loss
 from train_lookahead.targets import TargetRecords, chunk_targets, generate_targets
 
 PROMPTS = [[1, 45, 300, 17, 88, 402, 9, 77, 150, 33, 61, 12], [1, 200, 5, 99, 321, 44, 7],
@@ -74,3 +78,30 @@ def test_target_stage_resumes_chunk_by_chunk(stories, tmp_path):
     with pytest.raises(ValueError, match="40 tokens"):
         generate_targets(stories, DataSection(sources=data.sources, max_prompt_tokens=16, long_prompts="error"),
                          targets, tmp_path / "other")
+
+
+@pytest.mark.slow
+def test_on_the_fly_loss_equals_the_loss_on_stored_targets(stories):
+    """The one-prefill on-the-fly loss (response pass + lookahead rows on one cache) equals
+    kvjax.lookahead.loss_fn on the stored targets of the same prompts, value and gradient."""
+    la = LookaheadConfig(n_tokens=3, rank=2, alpha=4.0)
+    out = chunk_targets(stories, PROMPTS, max_prompt_tokens=16, max_response_tokens=10, batch_size=3)
+    stored, fly = [], []
+    for b in range(3):
+        n, m = int(out["lengths"][b]), int(out["response_lengths"][b])
+        stored.append(to_example({"tokens": out["tokens"][b, :n], "target": out["target"][b, ..., :n]}, 16))
+        fly.append(to_example({"tokens": out["tokens"][b, :n], "response": out["response"][b, :m]}, 16, 10))
+    stack = lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]}  # noqa: E731
+    stored, fly = stack(stored), stack(fly)
+    stored["target"] = stored["target"].transpose(1, 0, 2, 3)
+    assert (fly["response_positions"][0, : out["response_lengths"][0]] == len(PROMPTS[0]) + np.arange(
+        out["response_lengths"][0])).all()
+    adapter = init_adapter(stories, la, jax.random.PRNGKey(1))
+    params = jax.tree.map(lambda x: x + 0.05, adapter.params)  # B != 0: the LoRA matters
+    loss = lookahead_loss(stories.config, la)
+    grad = jax.jit(jax.value_and_grad(loss))
+    a, ga = grad(params, stories.params, stored)
+    b, gb = grad(params, stories.params, fly)
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
