@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 import kvjax
@@ -99,18 +100,20 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
     folder = pathlib.Path(workdir) / "targets"
     folder.mkdir(parents=True, exist_ok=True)
     settings = {"max_prompt_tokens": data.max_prompt_tokens, "max_response_tokens": targets.max_response_tokens,
-                "batch_size": targets.batch_size, "mode": targets.mode, "sources": [dataclass_dict(s) for s in data.sources],
-                "chat_template": data.chat_template, "model": model_info(model.config)}
+                "batch_size": targets.batch_size, "mode": targets.mode,
+                "sources": [dataclass_dict(s) for s in data.sources], "chat_template": data.chat_template,
+                "model": model_info(model.config)}
     _check_settings(folder, settings)
     if (folder / MANIFEST).exists():
         return folder
     source = prompt_source(data, model.tokenizer)
     limit = model.config.max_position_embeddings - targets.max_response_tokens
     n_chunks = -(-len(source) // targets.batch_size)
-    for i in tqdm(range(n_chunks), desc="targets", disable=not progress):
-        final = folder / f"chunk_{i:05d}"
-        if final.exists():
-            continue
+    # every process decides the same pending chunks before any is written (the model is sharded over
+    # all of them, so they must run the same generate calls in the same order)
+    pending = [i for i in range(n_chunks) if not (folder / f"chunk_{i:05d}").exists()]
+    multihost_utils.sync_global_devices("train_lookahead: target plan")
+    for i in tqdm(pending, desc="targets", disable=not progress):
         ids, prompts = [], []
         for j in range(i * targets.batch_size, min(len(source), (i + 1) * targets.batch_size)):
             record = source[j]
@@ -123,16 +126,19 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
                 continue
             ids.append(record["id"])
             prompts.append(ids_j)
-        _write_chunk(final, ids, prompts and chunk_targets(
+        _write_chunk(folder / f"chunk_{i:05d}", ids, prompts and chunk_targets(
             model, prompts, max_prompt_tokens=data.max_prompt_tokens,
             max_response_tokens=targets.max_response_tokens, batch_size=targets.batch_size,
             attention=targets.mode == "stored"), targets.dtype)
+    multihost_utils.sync_global_devices("train_lookahead: targets written")
     counts = [_count(folder / f"chunk_{i:05d}") for i in range(n_chunks)]
     skipped = len(source) - sum(counts)
     manifest = {"chunks": counts, "records": sum(counts), "skipped_long": skipped, **settings}
     if sum(counts) == 0:
         raise ValueError(f"no prompt fits data.max_prompt_tokens={data.max_prompt_tokens}: every one was skipped")
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    if jax.process_index() == 0:
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    multihost_utils.sync_global_devices("train_lookahead: manifest written")
     return folder
 
 
@@ -161,7 +167,7 @@ def _check_settings(folder: pathlib.Path, settings: dict[str, Any]) -> None:
             diff = sorted(k for k in set(old) | set(settings) if old.get(k) != json.loads(json.dumps(settings)).get(k))
             raise ValueError(f"{folder} holds targets made with other settings ({', '.join(diff)} differ); "
                              "use a new --workdir or delete that folder")
-    else:
+    elif jax.process_index() == 0:
         path.write_text(json.dumps(settings, indent=1))
 
 
