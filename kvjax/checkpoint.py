@@ -54,7 +54,8 @@ class StateAndJsonCheckpointer(Checkpointer):
         return self.manager.save(step, args=args, force=force)
 
     def restore(self, state_like: Any, step: int | None = None) -> tuple[Any, dict]:
-        """(state, json item) of `step` (default latest), in the structure, shapes, dtypes and shardings of `state_like`."""
+        """(state, json item) of `step` (default latest); the state takes the structure, shapes, dtypes
+        and shardings of `state_like`."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")

@@ -134,7 +134,8 @@ def _read_parquet(path: pathlib.Path) -> list[dict[str, Any]]:
 
 def _check_row(row: Any, where: str) -> dict[str, Any]:
     if not isinstance(row, dict):
-        raise ValueError(f"{where}: expected an object with one of the fields {PROMPT_FIELDS}, got {type(row).__name__}")
+        raise ValueError(f"{where}: expected an object with one of the fields {PROMPT_FIELDS}, "
+                         f"got {type(row).__name__}")
     present = [f for f in PROMPT_FIELDS if row.get(f) is not None]
     if len(present) != 1:
         raise ValueError(f"{where}: a row needs exactly one of the fields {', '.join(PROMPT_FIELDS)}; "

@@ -75,7 +75,7 @@ def card(cfg: RunConfig, *, command: str, model_path: str, steps: int, records: 
         f"- steps: {steps}, batch {t.batch_size}, seed {t.seed}",
         f"- AdamW lr {o.learning_rate:g} (warmup {o.warmup_fraction:g}, cosine to {o.final_fraction:g}x), "
         f"betas ({o.b1:g}, {o.b2:g}), weight decay {o.weight_decay:g}, clip {o.clip_norm:g}",
-        f"- loss: forward KL(target || predicted) over prompt positions, mean over layers and query heads"
+        "- loss: forward KL(target || predicted) over prompt positions, mean over layers and query heads"
         + (f"; final {final_loss:.4f}" if final_loss is not None else ""),
         "",
         f"![loss curve]({CURVE})",

@@ -201,7 +201,7 @@ class TargetRecords:
     def _arrays(self, chunk: int) -> dict[str, np.ndarray]:
         if chunk not in self._open:
             d = self.folder / f"chunk_{chunk:05d}"
-            names = ("tokens", "lengths", "target") if self.stored else ("tokens", "lengths", "response", "response_lengths")
+            names = ("tokens", "lengths") + (("target",) if self.stored else ("response", "response_lengths"))
             self._open[chunk] = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in names}
         return self._open[chunk]
 
@@ -214,4 +214,5 @@ class TargetRecords:
         n = int(a["lengths"][j])
         if self.stored:
             return {"tokens": np.asarray(a["tokens"][j, :n]), "target": np.asarray(a["target"][j, ..., :n], np.float32)}
-        return {"tokens": np.asarray(a["tokens"][j, :n]), "response": np.asarray(a["response"][j, : a["response_lengths"][j]])}
+        m = int(a["response_lengths"][j])
+        return {"tokens": np.asarray(a["tokens"][j, :n]), "response": np.asarray(a["response"][j, :m])}

@@ -13,7 +13,7 @@ from kvjax.eval.prompts import build_prompt
 from kvjax.eval.tasks.base import encode, sample_rng
 from kvjax.models.model import load_tokenizer
 from train_lookahead.config import DataSection, SourceSection
-from train_lookahead.data import SEED_OFFSET, encode_record, prompt_dataset, synthetic_seed, to_example, train_dataset
+from train_lookahead.data import SEED_OFFSET, prompt_dataset, synthetic_seed, to_example, train_dataset
 
 TASKS = ("niah_single_1", "vt")
 

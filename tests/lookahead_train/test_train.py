@@ -51,7 +51,8 @@ def run(stories_path, workdir, data=1, model=1, stop_after=None, hard=False):
                 os._exit(9)
             raise KeyboardInterrupt
 
-    return train(lookahead_loss(m.config, LA), adapter.params, m.params, param_shardings(m.config, mesh), ds, steps=STEPS,
+    return train(lookahead_loss(m.config, LA), adapter.params, m.params, param_shardings(m.config, mesh), ds,
+                 steps=STEPS,
                  optim=OptimSection(learning_rate=1e-2, warmup_fraction=0.2), mesh=mesh, workdir=workdir,
                  checkpoint_every=2, log_every=1, on_step=on_step, progress=False)
 
