@@ -37,10 +37,11 @@ def adapter_hook(adapter_params: dict[str, Any], config: LookaheadConfig, mask: 
 
 
 def lookahead_mass(model_params: dict[str, Any], model_cfg: ModelConfig, adapter_params: dict[str, Any],
-                   config: LookaheadConfig, cache: KVCache, lengths: jax.Array) -> jax.Array:
+                   config: LookaheadConfig, cache: KVCache, lengths: jax.Array, *, remat: bool = False) -> jax.Array:
     """Runs the n learned tokens (LoRA on their rows) at positions lengths .. lengths+n-1 against
     `cache` without storing them; returns their attention mass per query head over the cache slots,
-    summed over the n tokens: [L,B,Hq,C] float32 (the softmax includes the tokens' own causal keys)."""
+    summed over the n tokens: [L,B,Hq,C] float32 (the softmax includes the tokens' own causal keys).
+    remat: rematerialise each layer in the backward pass (long prompts in training)."""
     B = cache.k.shape[1]
     n = config.n_tokens
     if not isinstance(lengths, jax.core.Tracer):
@@ -50,16 +51,17 @@ def lookahead_mass(model_params: dict[str, Any], model_cfg: ModelConfig, adapter
     hook = adapter_hook(adapter_params, config, jnp.ones((B, n), bool))
     _, _, obs = extend(model_params, model_cfg, cache, None, positions, fresh=False, commit=False,
                        observe=ObservationSpec(query_mass=True), inputs_embeds=embeds, adapter=hook,
-                       logit_index=jnp.zeros((B, 1), jnp.int32))
+                       logit_index=jnp.zeros((B, 1), jnp.int32), remat=remat)
     return obs.query_mass
 
 
 def predicted_attention(model_params: dict[str, Any], model_cfg: ModelConfig, adapter_params: dict[str, Any],
-                        config: LookaheadConfig, cache: KVCache, lengths: jax.Array) -> jax.Array:
+                        config: LookaheadConfig, cache: KVCache, lengths: jax.Array, *,
+                        remat: bool = False) -> jax.Array:
     """s̃ (§11.3): per query head, the mean over the n lookahead queries of their attention
     probabilities over the cache slots (softmax over prompt + causal lookahead keys, then restricted
     to the prompt slots; empty slots 0). [L,B,Hq,C] float32, differentiable w.r.t. adapter_params."""
-    mass = lookahead_mass(model_params, model_cfg, adapter_params, config, cache, lengths)
+    mass = lookahead_mass(model_params, model_cfg, adapter_params, config, cache, lengths, remat=remat)
     return mass / config.n_tokens
 
 

@@ -48,18 +48,19 @@ def prompt_cache(model_params: dict[str, Any], model_cfg: ModelConfig, tokens: j
 
 
 def loss_fn(adapter_params: dict[str, Any], model_params: dict[str, Any], model_cfg: ModelConfig,
-            config: LookaheadConfig, batch: dict[str, jax.Array]) -> jax.Array:
+            config: LookaheadConfig, batch: dict[str, jax.Array], *, remat: bool = False) -> jax.Array:
     """The training loss of one batch: frozen prompt prefill (no gradient), the lookahead rows
     (gradient w.r.t. adapter_params only), then `kl_loss` against batch["target"].
 
     batch: tokens [B,T] int32, positions [B,T] int32 (right-padded, -1 = pad), target [L,B,Hq,T]
     float32 (`response_attention` over the same prompt cache). T + n_tokens must fit the model's
-    positions (checked on the padded width T).
+    positions (checked on the padded width T). remat: rematerialise the lookahead pass's layers
+    in the backward pass (saves memory on long prompts).
     """
     tokens, positions, target = batch["tokens"], batch["positions"], batch["target"]
     check_positions(model_cfg, tokens.shape[1], config)
     model_params = jax.lax.stop_gradient(model_params)
     cache = jax.lax.stop_gradient(prompt_cache(model_params, model_cfg, tokens, positions))
     lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
-    predicted = predicted_attention(model_params, model_cfg, adapter_params, config, cache, lengths)
+    predicted = predicted_attention(model_params, model_cfg, adapter_params, config, cache, lengths, remat=remat)
     return kl_loss(jax.lax.stop_gradient(target), predicted, positions >= 0)

@@ -85,6 +85,8 @@ def test_kl_loss_and_loss_fn_match_numpy(tiny, adapter):
         pred = ref.predicted(P, tiny.config, rows[b], A, adapter.config)
         per_row.append(ref.kl(target[:, b, :, :t].astype(np.float64), pred).mean())
     np.testing.assert_allclose(loss, np.mean(per_row), rtol=1e-4)
+    remat = float(lk.loss_fn(adapter.params, tiny.params, tiny.config, adapter.config, batch, remat=True))
+    np.testing.assert_allclose(remat, loss, rtol=1e-6)
     # kl_loss alone: zero for identical distributions (up to scale), positive otherwise
     mask = jnp.asarray(pos >= 0)
     assert abs(float(lk.kl_loss(jnp.asarray(target), 3.0 * jnp.asarray(target), mask))) < 1e-6
