@@ -125,6 +125,7 @@ class TrainSection:
     seed: int = 0  # shuffle order and adapter initialisation
     checkpoint_every: int = 50
     log_every: int = 10
+    remat: bool = False  # rematerialise the lookahead pass's layers in the backward pass (long prompts)
 
     def __post_init__(self):
         if self.steps is not None:

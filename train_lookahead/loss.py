@@ -21,7 +21,7 @@ from train_lookahead.targets import prefill
 
 
 def on_the_fly_loss(adapter_params: Any, model_params: Any, model_cfg: ModelConfig, config: LookaheadConfig,
-                    batch: dict[str, jax.Array]) -> jax.Array:
+                    batch: dict[str, jax.Array], *, remat: bool = False) -> jax.Array:
     """batch: tokens / positions [B, T], response / response_positions [B, Y] (-1 = pad)."""
     tokens, positions = batch["tokens"], batch["positions"]
     model_params = jax.lax.stop_gradient(model_params)
@@ -29,18 +29,18 @@ def on_the_fly_loss(adapter_params: Any, model_params: Any, model_cfg: ModelConf
     target = jax.lax.stop_gradient(response_attention(model_params, model_cfg, cache, batch["response"],
                                                       batch["response_positions"]))
     lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
-    predicted = predicted_attention(model_params, model_cfg, adapter_params, config, cache, lengths)
+    predicted = predicted_attention(model_params, model_cfg, adapter_params, config, cache, lengths, remat=remat)
     return kl_loss(target, predicted, positions >= 0)
 
 
 @functools.cache
-def lookahead_loss(model_cfg: ModelConfig, config: LookaheadConfig):
+def lookahead_loss(model_cfg: ModelConfig, config: LookaheadConfig, remat: bool = False):
     """loss(trainable, frozen, batch) for the train loop: stored targets when the batch has "target".
     One function per (model config, lookahead config), so the train loop's compiled step is reused."""
 
     def loss(trainable: Any, frozen: Any, batch: dict[str, jax.Array]) -> jax.Array:
         if "target" in batch:
-            return loss_fn(trainable, frozen, model_cfg, config, batch)
-        return on_the_fly_loss(trainable, frozen, model_cfg, config, batch)
+            return loss_fn(trainable, frozen, model_cfg, config, batch, remat=remat)
+        return on_the_fly_loss(trainable, frozen, model_cfg, config, batch, remat=remat)
 
     return loss

@@ -83,7 +83,7 @@ def run(cfg: RunConfig, workdir: str | os.PathLike, *, command: str = "", progre
                          max_response_tokens=cfg.targets.max_response_tokens, process_index=jax.process_index(),
                          process_count=jax.process_count())
     adapter = init_adapter(model, cfg.lookahead, jax.random.PRNGKey(cfg.train.seed))
-    trained, done = train(lookahead_loss(model.config, cfg.lookahead), adapter.params, model.params,
+    trained, done = train(lookahead_loss(model.config, cfg.lookahead, cfg.train.remat), adapter.params, model.params,
                           param_shardings(model.config, mesh), data, steps=steps, optim=cfg.optim, mesh=mesh,
                           workdir=workdir, checkpoint_every=cfg.train.checkpoint_every,
                           log_every=cfg.train.log_every, on_step=on_step, progress=progress)
