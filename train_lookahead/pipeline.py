@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 import kvjax
 from kvjax.eval.engine import resolve_model
-from kvjax.lookahead import init_adapter
+from kvjax.lookahead import check_positions, init_adapter
 from kvjax.sharding import make_mesh, param_shardings
 
 from train_lookahead.config import MeshSection, ModelSection, RunConfig
@@ -72,6 +72,8 @@ def run(cfg: RunConfig, workdir: str | os.PathLike, *, command: str = "", progre
     _check_workdir_config(workdir, cfg)
     mesh = build_mesh(cfg.mesh)
     model = load_frozen(cfg.model, mesh)
+    # the padded prompt plus the lookahead tokens must fit the model's positions: fail before the targets
+    check_positions(model.config, cfg.data.max_prompt_tokens, cfg.lookahead)
     folder = generate_targets(model, cfg.data, cfg.targets, workdir, progress=progress)
     records = TargetRecords(folder)
     steps = cfg.train.steps or len(records) // cfg.train.batch_size
