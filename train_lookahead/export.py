@@ -62,12 +62,15 @@ def card(cfg: RunConfig, *, command: str, model_path: str, steps: int, records: 
         "",
         f"```bash\n{command}\n```",
         "",
+        "The full run configuration is in `train_config.json`.",
+        "",
         "## Data",
         "",
         sources,
         "",
         f"{records} prompts of at most {cfg.data.max_prompt_tokens} tokens (skipped as longer: {skipped}); "
-        f"targets from the frozen model's greedy response of at most {cfg.targets.max_response_tokens} tokens.",
+        f"targets from the frozen model's greedy response of at most {cfg.targets.max_response_tokens} tokens "
+        f"(targets.mode: {cfg.targets.mode}).",
         "",
         "## Training",
         "",
@@ -97,10 +100,11 @@ def _describe(s: Any) -> str:
 
 def export(folder: str | os.PathLike, adapter: Adapter, cfg: RunConfig, *, rows: Sequence[dict[str, float]],
            command: str, model_path: str, steps: int, records: int, skipped: int) -> pathlib.Path:
-    """Writes the adapter, loss_curve.png and README.md to `folder`; returns it."""
+    """Writes the adapter, loss_curve.png, README.md and the run's train_config.json to `folder`; returns it."""
     folder = pathlib.Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     save(adapter, folder)
+    (folder / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=1))
     if rows:
         plot_loss(rows, folder / CURVE)
     scores = load_scores(cfg.export.eval_scores)

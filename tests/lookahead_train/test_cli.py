@@ -43,6 +43,7 @@ def test_smoke_run_end_to_end_and_resume(tmp_path):
     card = (export / "README.md").read_text()
     assert "--config" in card and f"steps: {cfg.train.steps}" in card and "0.75" in card
     assert (export / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert RunConfig.from_dict(json.loads((export / "train_config.json").read_text())) == cfg
     model = kvjax.load_model(BUNDLED_MODEL_DIR)
     adapter = load(export, model=model)
     assert adapter.config == cfg.lookahead
