@@ -1,6 +1,7 @@
 """`python -m train_lookahead` end to end on the tiny smoke config: targets, a few steps, export;
 the exported adapter loads with kvjax.lookahead.load; re-running resumes (nothing is redone)."""
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -43,7 +44,8 @@ def test_smoke_run_end_to_end_and_resume(tmp_path):
     card = (export / "README.md").read_text()
     assert "--config" in card and f"steps: {cfg.train.steps}" in card and "0.75" in card
     assert (export / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert RunConfig.from_dict(json.loads((export / "train_config.json").read_text())) == cfg
+    saved = RunConfig.from_dict(json.loads((export / "train_config.json").read_text()))
+    assert saved.export.eval_scores == str(scores) and dataclasses.replace(saved, export=cfg.export) == cfg
     model = kvjax.load_model(BUNDLED_MODEL_DIR)
     adapter = load(export, model=model)
     assert adapter.config == cfg.lookahead
