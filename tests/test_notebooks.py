@@ -59,6 +59,15 @@ def test_notebooks_are_committed_cleared():
         assert f"colab/{path.name}" in first and "colab-badge.svg" in first, f"{path.name}: no Colab badge"
 
 
+def test_readme_links_every_notebook_with_a_badge():
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("\n## Colab\n"):]
+    section = section[: section.index("\n## ", 1)]
+    for path in NOTEBOOKS:
+        assert f"(colab/{path.name})" in section, f"README's Colab section does not link {path.name}"
+        assert f"https://colab.research.google.com/github/YOUR_ORG/kvjax/blob/main/colab/{path.name}" in section
+
+
 @pytest.mark.notebook
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
 def test_notebook_runs_in_small_mode(path, tmp_path):
