@@ -21,11 +21,19 @@ class ObservationSpec:
     window: > 0 records the post-RoPE queries of the last `window` real tokens of the chunk.
     column_mass: records, per key, the attention mass all (valid, causal) queries put on it.
     step_probs: records the attention probabilities of the chunk's last query over the cache slots.
+    query_mass: records, per query head and cache slot, the attention probability summed over the
+      chunk's real queries.
+    lookahead: asks the engine for a LookaheadKV pass after the prompt: the learned tokens of the
+      policy's adapter (`Policy.lookahead_adapter()`, its params a traced input) run against the
+      prompt cache without being stored, and their `query_mass` over the prompt slots is recorded.
+      The prompt prefill itself ignores it.
     """
 
     window: int = 0
     column_mass: bool = False
     step_probs: bool = False
+    query_mass: bool = False
+    lookahead: bool = False
 
     def merge(self, other: "ObservationSpec") -> "ObservationSpec":
         """What both need: the wider window, and every recorded quantity of either."""
@@ -33,6 +41,8 @@ class ObservationSpec:
             window=max(self.window, other.window),
             column_mass=self.column_mass or other.column_mass,
             step_probs=self.step_probs or other.step_probs,
+            query_mass=self.query_mass or other.query_mass,
+            lookahead=self.lookahead or other.lookahead,
         )
 
     @classmethod
@@ -43,7 +53,7 @@ class ObservationSpec:
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.window or self.column_mass or self.step_probs)
+        return bool(self.window or self.column_mass or self.step_probs or self.query_mass or self.lookahead)
 
 
 @struct.dataclass
@@ -55,6 +65,9 @@ class Observations:
     column_mass [L,B,Hkv,C] float32: attention mass that all causal queries put on each slot
       (summed over the query group);
     step_probs [L,B,Hkv,G,C] float32: the last query's attention probabilities over the slots;
+    query_mass [L,B,Hq,C] float32: per query head, the attention probability the chunk's real
+      queries put on each cache slot, summed over them (after a LookaheadKV pass: its n learned
+      tokens' mass over the prompt slots, the softmax including their own causal keys);
     lengths [B] int32: real tokens per row in the chunk (the prompt lengths, for a prefill);
     attn_scale: the model's softmax scale (static), for scorers that use the model's own scale.
     """
@@ -63,6 +76,7 @@ class Observations:
     window_positions: jax.Array | None = None
     column_mass: jax.Array | None = None
     step_probs: jax.Array | None = None
+    query_mass: jax.Array | None = None
     lengths: jax.Array | None = None
     attn_scale: float | None = struct.field(pytree_node=False, default=None)
 
@@ -77,4 +91,5 @@ class Observations:
             q, p = (q[:, :, :, q.shape[3] - w:], p[:, p.shape[1] - w:]) if w else (None, None)
         return self.replace(window_queries=q, window_positions=p,
                             column_mass=self.column_mass if spec.column_mass else None,
-                            step_probs=self.step_probs if spec.step_probs else None)
+                            step_probs=self.step_probs if spec.step_probs else None,
+                            query_mass=self.query_mass if spec.query_mass or spec.lookahead else None)

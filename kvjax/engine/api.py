@@ -29,6 +29,7 @@ from kvjax.engine.inputs import (
     prepare,
     put_batch,
 )
+from kvjax.lookahead import check_positions as check_lookahead_positions
 from kvjax.models.config import ModelConfig
 from kvjax.models.model import Model
 from kvjax.policies import Plan, Policy, resolve
@@ -192,11 +193,20 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
                                                       mesh=model.mesh)
         prefilled[mode] = first, cache, observations
     out = []
+    looked: dict[int, jax.Array] = {}  # one lookahead pass per adapter
     for r in runs:
         if not isinstance(r, _Run):
             out.append(None)
             continue
         first, cache, observations = prefilled[steps.rope_mode(r.policy)]
+        if r.policy is not None and r.policy.requirements().observe.lookahead:
+            adapter = r.policy.lookahead_adapter()
+            if id(adapter) not in looked:
+                adapter.check_model(model.config)
+                check_lookahead_positions(model.config, int(jnp.max(jnp.sum(positions >= 0, axis=-1))), adapter.config)
+                looked[id(adapter)] = steps.lookahead(model.params, cache, positions, adapter.params,
+                                                      cfg=model.config, config=adapter.config)
+            observations = observations.replace(query_mass=looked[id(adapter)])
         if r.policy is None:
             out.append((first, steps.grow(cache, capacity=capacity, mesh=model.mesh), None))
         else:

@@ -34,10 +34,11 @@ DEFAULTS: dict[str, Any] = {
     "niah_depths": None,
     "niah_haystack": "essay",
     "fidelity_tokens": 32,
+    "lookahead": None,
 }
 # Settings that change what a sample or its answer is: a rerun into the same folder must keep them.
 RUN_IDENTITY = ("model", "context_length", "seed", "query_aware", "max_new_tokens", "data", "words",
-                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens")
+                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens", "lookahead")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 EPILOG = """\
@@ -124,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--niah-haystack", choices=["essay", "noise"], help="needle-grid haystack (default: essay = --data essay or "
                                                            "built-in prose)")
     a("--fidelity-tokens", type=int, help="continuation tokens scored by the fidelity task (default: 32)")
+    a("--lookahead", metavar="PATH", help="LookaheadKV adapter folder for lookahead_kv (default: the bundled "
+                                          "model's, kvjax/assets/lookahead; without one, 'all' leaves lookahead_kv out)")
     a("--list", action="store_true", help="list tasks, suites and policies, then exit")
     a("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -186,7 +189,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "words": args.words,
         "niah_lengths": _ints(args.niah_lengths, "--niah-lengths", parser),
         "niah_depths": _floats(args.niah_depths, "--niah-depths", parser),
-        "niah_haystack": args.niah_haystack, "fidelity_tokens": args.fidelity_tokens,
+        "niah_haystack": args.niah_haystack, "fidelity_tokens": args.fidelity_tokens, "lookahead": args.lookahead,
     }
     if args.budgets is not None and args.compression_ratios is None:
         cli["compression_ratios"] = []
@@ -208,7 +211,8 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if names == ["none"]:  # the full-cache baseline alone
         names = []
     if "all" in names:
-        names = [n for n in names if n != "all"] + [v for v in valid if v not in names]
+        names = [n for n in names if n != "all"] + [v for v in valid if v not in names
+                                                    and (v != "lookahead_kv" or _lookahead_adapter(cfg) is not None)]
     canonical, unknown = [], []
     for n in names:  # any spelling kvjax.policies accepts ("SnapKV", "snap_kv", "SnapKVPress"): one name
         try:
@@ -239,6 +243,18 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         mode = "query-aware" if cfg["query_aware"] else "query-agnostic"
         cfg["out"] = str(pathlib.Path("out") / "eval" / f"{tag}_L{cfg['context_length']}_{mode}_seed{cfg['seed']}")
     return cfg
+
+
+def _lookahead_adapter(cfg: dict[str, Any], required: bool = False) -> Any:
+    """The adapter `lookahead_kv` runs with (--lookahead, else the bundled one), or None if there is none."""
+    from kvjax.lookahead import load
+
+    try:
+        return load(cfg["lookahead"] or "bundled")
+    except (FileNotFoundError, ValueError):
+        if required or cfg["lookahead"]:
+            raise
+        return None
 
 
 def _check_identity(out: pathlib.Path, cfg: dict[str, Any], parser: argparse.ArgumentParser) -> None:
@@ -345,7 +361,16 @@ def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser
             samples[task] = made
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    settings = runner.make_settings(cfg["policies"], cfg["compression_ratios"], cfg["budgets"])
+    names: list[Any] = list(cfg["policies"])
+    if "lookahead_kv" in names:
+        from kvjax.policies import get
+
+        try:
+            adapter = _lookahead_adapter(cfg, required=True)
+        except (FileNotFoundError, ValueError) as err:
+            parser.error(str(err))
+        names = [get(n, adapter=adapter) if n == "lookahead_kv" else n for n in names]
+    settings = runner.make_settings(names, cfg["compression_ratios"], cfg["budgets"])
     if share_shapes := getattr(generate_fn, "share_shapes", None):
         share_shapes([s for task, made in samples.items() if TASKS[task].metric != "fidelity" for s in made],
                      bool(cfg["query_aware"]))

@@ -11,6 +11,7 @@ from kvjax.policies.cake import CAKE
 from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
 from kvjax.policies.lazy import LazyEviction
+from kvjax.policies.lookahead import LookaheadKV
 from kvjax.policies.registry import available, get, resolve
 from kvjax.policies.snapkv import AdaPyramidKV, AdaSnapKV, PyramidKV, SnapKV
 from kvjax.policies.streaming import StreamingLLM
@@ -28,6 +29,7 @@ __all__ = [
     "H2OPrefill",
     "KNorm",
     "LazyEviction",
+    "LookaheadKV",
     "Plan",
     "Policy",
     "Pyramid",

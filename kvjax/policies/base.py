@@ -123,6 +123,11 @@ class Policy:
     def requirements(self) -> Requirements:
         return Requirements()
 
+    def lookahead_adapter(self) -> Any:
+        """For policies whose requirements ask for `ObservationSpec(lookahead=True)`: the LookaheadKV
+        adapter (params + config) whose tokens the engine runs after the prompt. None otherwise."""
+        return None
+
     def plan(
         self,
         lengths: Sequence[int],

@@ -20,6 +20,7 @@ from kvjax.policies.cake import CAKE
 from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
 from kvjax.policies.lazy import LazyEviction
+from kvjax.policies.lookahead import LookaheadKV
 from kvjax.policies.snapkv import AdaPyramidKV, AdaSnapKV, PyramidKV, SnapKV
 from kvjax.policies.streaming import StreamingLLM
 from kvjax.policies.tova import TOVA
@@ -51,6 +52,7 @@ _PRESETS: dict[str, Policy] = {
     "knorm": KNorm(),
     "knorm_kvpress": KNorm(skip_layers=(), **_KVPRESS),
     "lazy_eviction": LazyEviction(),
+    "lookahead_kv": LookaheadKV(),
     "random": Random(),
 }
 
