@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--niah-haystack", choices=["essay", "noise"], help="needle-grid haystack (default: essay = --data essay or "
                                                            "built-in prose)")
     a("--fidelity-tokens", type=int, help="continuation tokens scored by the fidelity task (default: 32)")
-    a("--lookahead", metavar="PATH", help="LookaheadKV adapter folder for lookahead_kv (default: the bundled "
-                                          "model's, kvjax/assets/lookahead; without one, 'all' leaves lookahead_kv out)")
+    a("--lookahead", metavar="PATH", help="LookaheadKV adapter folder for lookahead_kv (default: the bundled model's, "
+                                          "kvjax/assets/lookahead; without one, 'all' leaves lookahead_kv out)")
     a("--list", action="store_true", help="list tasks, suites and policies, then exit")
     a("--no-progress", action="store_true", help="no progress bars")
     return p

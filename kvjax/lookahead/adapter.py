@@ -41,7 +41,7 @@ class ModelInfo:
     intermediate_size: int
 
     @classmethod
-    def of(cls, cfg: ModelConfig) -> "ModelInfo":
+    def of(cls, cfg: ModelConfig) -> ModelInfo:
         return cls(cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                    cfg.vocab_size, cfg.intermediate_size)
 
@@ -49,7 +49,8 @@ class ModelInfo:
         """(in, out) of a projection's weight."""
         E, F = self.hidden_size, self.intermediate_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return {"q": (E, q), "k": (E, kv), "v": (E, kv), "o": (q, E), "gate": (E, F), "up": (E, F), "down": (F, E)}[proj]
+        shapes = {"q": (E, q), "k": (E, kv), "v": (E, kv), "o": (q, E), "gate": (E, F), "up": (E, F), "down": (F, E)}
+        return shapes[proj]
 
     def check_matches(self, cfg: ModelConfig, what: str = "adapter") -> None:
         """ValueError naming every dimension where this differs from `cfg`'s model."""
@@ -109,13 +110,14 @@ def _model_of(model: Any) -> tuple[dict[str, Any] | None, ModelConfig]:
     return model.params, cfg
 
 
-def init_adapter(model: Any, config: LookaheadConfig = LookaheadConfig(), key: jax.Array | None = None) -> Adapter:
+def init_adapter(model: Any, config: LookaheadConfig | None = None, key: jax.Array | None = None) -> Adapter:
     """Fresh modules (policies.md §11.4): LoRA A Kaiming-uniform over its input dimension
     (U(-1/sqrt(in), 1/sqrt(in)), the usual LoRA init), B = 0 (so training starts at the frozen
     model), and the embeddings copied from `n_tokens` distinct random vocabulary tokens."""
     params, cfg = _model_of(model)
     if params is None:
         raise TypeError("init_adapter needs a kvjax.Model (its embedding table seeds the lookahead tokens)")
+    config = LookaheadConfig() if config is None else config
     if not isinstance(config, LookaheadConfig):
         raise TypeError(f"config must be a LookaheadConfig, got {type(config).__name__}")
     key = jax.random.PRNGKey(0) if key is None else key
@@ -182,7 +184,8 @@ def load(path: str | os.PathLike = "bundled", model: Any = None) -> Adapter:
     except (ValueError, TypeError) as e:
         raise ValueError(f"corrupt LookaheadKV adapter config {folder / CONFIG}: {e}") from None
     if meta.get("format", FORMAT) != FORMAT:
-        raise ValueError(f"LookaheadKV adapter {folder}: format {meta.get('format')!r}; this kvjax reads format {FORMAT}")
+        raise ValueError(f"LookaheadKV adapter {folder}: format {meta.get('format')!r}; "
+                         f"this kvjax reads format {FORMAT}")
     config = LookaheadConfig.from_dict(meta["config"])
     from safetensors import SafetensorError
     from safetensors.numpy import load_file

@@ -73,7 +73,7 @@ class LookaheadConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LookaheadConfig":
+    def from_dict(cls, d: dict[str, Any]) -> LookaheadConfig:
         """The config of a JSON dict; unknown keys raise ValueError naming them."""
         if not isinstance(d, dict):
             raise TypeError(f"LookaheadConfig.from_dict needs a dict, got {type(d).__name__}")

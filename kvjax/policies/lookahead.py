@@ -44,7 +44,7 @@ class LookaheadKV(PrefillPolicy):
 
     adapter: Any = dataclasses.field(default=None, compare=False)
     # what the compiled scoring depends on: the adapter's config (or its path, until loaded)
-    identity: Any = dataclasses.field(default=None, init=False, repr=False)
+    _identity: Any = dataclasses.field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -58,7 +58,7 @@ class LookaheadKV(PrefillPolicy):
         else:
             raise TypeError("adapter must be a kvjax.lookahead.Adapter, a folder path, or None (the bundled "
                             f"model's adapter), got {type(a).__name__}")
-        object.__setattr__(self, "identity", ident)
+        object.__setattr__(self, "_identity", ident)
 
     def lookahead_adapter(self) -> Adapter:
         """The adapter (loaded from its folder, or the bundled one, on first use)."""

@@ -3,10 +3,10 @@
 import jax
 import numpy as np
 import pytest
+from tiny_models import build_hf
 
 import kvjax
 import kvjax.lookahead as lk
-from tiny_models import build_hf
 
 
 @pytest.fixture(scope="session")

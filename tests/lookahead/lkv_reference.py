@@ -41,7 +41,7 @@ def forward(P, cfg, embeds, lora_rows=None, lora=None, scale=0.0):
     h = np.asarray(embeds, np.float64)
     all_probs, all_k, all_v = [], [], []
     for l in range(cfg.num_layers):
-        def lin(x, name):
+        def lin(x, name, l=l):
             y = x @ lay[name][l]
             if lora is not None and name in lora:
                 y = y + rows[:, None] * scale * ((x @ lora[name]["a"][l]) @ lora[name]["b"][l])
@@ -92,7 +92,6 @@ def response(P, cfg, prompt, resp):
 
 def pool_max(x, region_len, kernel):
     """Max pooling along the last axis over positions < region_len (-inf padding), 0 elsewhere."""
-    T = x.shape[-1]
     out = np.zeros_like(x)
     r = kernel // 2
     for j in range(region_len):

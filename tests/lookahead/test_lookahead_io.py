@@ -5,10 +5,10 @@ import json
 import jax
 import numpy as np
 import pytest
+from tiny_models import build_hf
 
 import kvjax
 import kvjax.lookahead as lk
-from tiny_models import build_hf
 
 
 def test_config_defaults_and_from_dict():

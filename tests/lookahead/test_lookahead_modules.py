@@ -4,12 +4,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import lkv_reference as ref
 import numpy as np
 import pytest
 from conftest import prompts, with_random_b
 
 import kvjax.lookahead as lk
-import lkv_reference as ref
+from kvjax.cache import KVCache
 from kvjax.models.llama import extend
 from kvjax.observations import ObservationSpec
 
@@ -125,7 +126,8 @@ def test_gradients_only_for_the_adapter_and_they_are_right(tiny, adapter):
     def shift(s, which):
         if which == "embeddings":
             return {**mild, "embeddings": mild["embeddings"] + s * d}
-        return {**mild, "lora": {**mild["lora"], "q": {"a": mild["lora"]["q"]["a"], "b": mild["lora"]["q"]["b"] + s * db}}}
+        q = {"a": mild["lora"]["q"]["a"], "b": mild["lora"]["q"]["b"] + s * db}
+        return {**mild, "lora": {**mild["lora"], "q": q}}
 
     for which, dg in (("embeddings", jnp.sum(g["embeddings"] * d)), ("b", jnp.sum(g["lora"]["q"]["b"] * db))):
         fd = (float(f(shift(eps, which))) - float(f(shift(-eps, which)))) / (2 * eps)
@@ -163,8 +165,8 @@ def test_prompt_rows_bit_identical_with_adapter(tiny, adapter):
         positions[b, :t + n] = np.arange(t + n)
         mask[b, t:t + n] = True
     hook = lk.adapter_hook(adapter.params, adapter.config, jnp.asarray(mask))
-    empty = lambda: __import__("kvjax").KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim, jnp.float32)  # noqa: E731
-    run = lambda h: extend(tiny.params, cfg, empty(), None, jnp.asarray(positions), fresh=True,  # noqa: E731
+    empty = lambda: KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim, jnp.float32)
+    run = lambda h: extend(tiny.params, cfg, empty(), None, jnp.asarray(positions), fresh=True,
                            inputs_embeds=jnp.asarray(embeds), adapter=h)
     (lo_a, c_a, _), (lo_f, c_f, _) = run(hook), run(None)
     prompt = ~mask & (positions >= 0)
@@ -176,7 +178,7 @@ def test_prompt_rows_bit_identical_with_adapter(tiny, adapter):
     assert not np.allclose(lo_a[mask], lo_f[mask])  # the LoRA does act on the lookahead rows
     # the frozen prompt prefill alone, with the hook present but masked off everywhere
     off = lk.adapter_hook(adapter.params, adapter.config, jnp.zeros(toks.shape, bool))
-    cache0 = __import__("kvjax").KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, WIDTH, cfg.head_dim, jnp.float32)
+    cache0 = KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, WIDTH, cfg.head_dim, jnp.float32)
     a = extend(tiny.params, cfg, cache0, toks, pos, fresh=True, adapter=off)
     f = extend(tiny.params, cfg, cache0, toks, pos, fresh=True)
     for x, y in zip(jax.tree.leaves(a[:2]), jax.tree.leaves(f[:2])):

@@ -4,14 +4,14 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import lkv_reference as ref
 import numpy as np
 import pytest
 from conftest import prompts
 
 import kvjax
 import kvjax.lookahead as lk
-import lkv_reference as ref
-from kvjax.engine import Setting, steps
+from kvjax.engine import STEP_BUCKETS, TRACE_COUNTS, Setting, bucket_length, steps
 from kvjax.policies import Ada, LookaheadKV, Pyramid
 from kvjax.policies.allocators import pyramid_paper
 from kvjax.sampling import Sampler
@@ -73,6 +73,10 @@ def test_generate_exact_counts_and_no_lookahead_kv_in_the_decode_cache(tiny, ada
     settings = [Setting(None), Setting(policy, budget=10), Setting(policy, budget=64)]
     full, out, same = kvjax.engine.generate_settings(tiny, ids, settings, max_new_tokens=6, stop_tokens=[])
     np.testing.assert_allclose(out.kept, 10)
+    cfg = tiny.config  # the decode cache holds the budget plus the decode room, nothing for the lookahead tokens
+    room = bucket_length(6, STEP_BUCKETS)
+    assert out.cache_bytes == kvjax.KVCache.init(cfg.num_layers, 3, cfg.num_kv_heads, 10 + room, cfg.head_dim,
+                                                 cfg.jnp_dtype).nbytes()
     assert (out.tokens[:, 0] == full.tokens[:, 0]).all()  # the first token comes from the frozen prefill
     np.testing.assert_array_equal(same.tokens, full.tokens)  # nothing evicted: the lookahead pass left no trace
     np.testing.assert_allclose(same.kept, lengths)
@@ -126,7 +130,7 @@ def test_errors(tiny, adapter, tmp_path):
     with pytest.raises(ValueError, match="trained for another model"):
         kvjax.generate(other, ids, policy=LookaheadKV(adapter=adapter), budget=8, max_new_tokens=2)
     short = dataclasses.replace(tiny, config=dataclasses.replace(tiny.config, max_position_embeddings=24))
-    with pytest.raises(ValueError, match=r"plus n_tokens=4 lookahead tokens needs 25 positions.*max_position_embeddings=24"):
+    with pytest.raises(ValueError, match=r"n_tokens=4 lookahead tokens needs 25 positions.*max_position_embeddings=24"):
         kvjax.generate(short, [ids[0][:19] + [5, 6]], policy=LookaheadKV(adapter=adapter), budget=8,
                        max_new_tokens=2)
     with pytest.raises(TypeError, match="adapter must be a kvjax.lookahead.Adapter"):
@@ -144,3 +148,16 @@ def test_bundled_or_folder_adapter(tiny, adapter, tmp_path, monkeypatch):
     out = kvjax.generate(tiny, ids, policy=LookaheadKV(adapter=str(tmp_path / "ad")), budget=8, max_new_tokens=2,
                          stop_tokens=[])
     np.testing.assert_allclose(out.kept, 8)
+
+
+def test_shared_prefill_with_another_policy_and_one_compile_per_bucket(tiny, adapter):
+    ids = _ids(tiny, (40, 45, 38), 5)
+    policy = LookaheadKV(adapter=adapter)
+    alone = kvjax.generate(tiny, ids, policy=policy, budget=10, max_new_tokens=4, stop_tokens=[])
+    both = kvjax.engine.generate_settings(tiny, ids, [Setting("snapkv", budget=36), Setting(policy, budget=10)],
+                                          max_new_tokens=4, stop_tokens=[])
+    np.testing.assert_array_equal(both[1].tokens, alone.tokens)
+    np.testing.assert_allclose(both[0].kept, 36)
+    before = TRACE_COUNTS["lookahead"]
+    kvjax.generate(tiny, _ids(tiny, (50, 33, 61), 6), policy=policy, budget=10, max_new_tokens=4, stop_tokens=[])
+    assert TRACE_COUNTS["lookahead"] == before  # same bucket and batch: the lookahead pass is not traced again
