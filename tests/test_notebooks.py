@@ -48,7 +48,8 @@ def text_of(nb: nbformat.NotebookNode) -> str:
 
 
 def test_notebooks_are_committed_cleared():
-    assert [p.name for p in NOTEBOOKS][:2] == ["01_quickstart.ipynb", "02_compare_policies.ipynb"]
+    assert [p.name for p in NOTEBOOKS] == ["01_quickstart.ipynb", "02_compare_policies.ipynb",
+                                          "03_train_lookahead.ipynb", "04_long_context_memory.ipynb"]
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         nbformat.validate(nb)
