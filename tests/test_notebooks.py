@@ -58,6 +58,8 @@ def test_notebooks_are_committed_cleared():
                 assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: outputs committed"
         first = nb.cells[0].source
         assert f"colab/{path.name}" in first and "colab-badge.svg" in first, f"{path.name}: no Colab badge"
+        params = next(c.source for c in nb.cells if c.cell_type == "code")  # the one parameter cell comes first
+        assert "KVJAX_REPO =" in params and "KVJAX_NOTEBOOK_SMALL" in params, f"{path.name}: parameter cell"
 
 
 def test_readme_links_every_notebook_with_a_badge():
