@@ -8,21 +8,18 @@ import pathlib
 from collections.abc import Sequence
 from typing import Any
 
-import matplotlib
+from matplotlib.figure import Figure  # drawn without pyplot: the global backend is left alone
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-
-from kvjax.lookahead import Adapter, save  # noqa: E402
-
-from train_lookahead.config import RunConfig  # noqa: E402
+from kvjax.lookahead import Adapter, save
+from train_lookahead.config import RunConfig
 
 CURVE = "loss_curve.png"
 
 
 def plot_loss(rows: Sequence[dict[str, float]], path: str | os.PathLike) -> None:
     """Training loss (KL) against step."""
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     ax.plot([r["step"] for r in rows], [r["loss"] for r in rows], lw=1.2)
     ax.set_xlabel("step")
     ax.set_ylabel("KL(target || predicted)")
@@ -30,7 +27,6 @@ def plot_loss(rows: Sequence[dict[str, float]], path: str | os.PathLike) -> None
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def load_scores(path: str | os.PathLike | None) -> dict[str, Any] | None:

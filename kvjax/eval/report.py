@@ -219,9 +219,7 @@ def plot_scores(path: pathlib.Path, summary: Sequence[dict[str, Any]], tasks: Se
     statistics, a second panel against the mean entries per KV head the cache really held; settings
     whose cache never came down to the budget are drawn hollow. False if nothing to draw."""
     import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # drawn without pyplot: the global backend is left alone
 
     points = plot_points(summary, tasks, settings, cache)
     full = (points.pop("full", None) or [None])[0]
@@ -229,8 +227,9 @@ def plot_scores(path: pathlib.Path, summary: Sequence[dict[str, Any]], tasks: Se
     if not points and full is None:
         return False
     kept_panel = any(p["kept"] is not None for pts in points.values() for p in pts)
-    fig, axes = plt.subplots(1, 2 if kept_panel else 1, figsize=(13 if kept_panel else 8.5, 4.5), squeeze=False)
-    colors, markers, styles = plt.get_cmap("tab20").colors, "os^vDP*Xph<>", ("-", "--", ":")
+    fig = Figure(figsize=(13 if kept_panel else 8.5, 4.5))
+    axes = fig.subplots(1, 2 if kept_panel else 1, squeeze=False)
+    colors, markers, styles = matplotlib.colormaps["tab20"].colors, "os^vDP*Xph<>", ("-", "--", ":")
     panels = [("x", axes[0][0])] + ([("kept", axes[0][1])] if kept_panel else [])
     for j, (name, pts) in enumerate(sorted(points.items())):  # no two lines look alike, up to 20 policies
         style = dict(color=colors[j % 20], marker=markers[j % len(markers)], markersize=4,
@@ -266,7 +265,6 @@ def plot_scores(path: pathlib.Path, summary: Sequence[dict[str, Any]], tasks: Se
                          borderaxespad=0)  # beside the plot, not over it
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return True
 
 
@@ -289,17 +287,15 @@ def niah_matrices(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def plot_heatmaps(folder: pathlib.Path, matrices: dict[str, dict[str, Any]]) -> list[pathlib.Path]:
     """One PNG per setting: depth (rows) x context length (columns), score 0-100."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # drawn without pyplot: the global backend is left alone
     import numpy as np
 
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, m in matrices.items():
         data = np.array([[np.nan if v is None else v for v in row] for row in m["matrix"]], dtype=float)
-        fig, ax = plt.subplots(figsize=(1.2 + 0.7 * len(m["lengths"]), 1.2 + 0.45 * len(m["depths"])))
+        fig = Figure(figsize=(1.2 + 0.7 * len(m["lengths"]), 1.2 + 0.45 * len(m["depths"])))
+        ax = fig.subplots()
         im = ax.imshow(data, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(m["lengths"])), [str(x) for x in m["lengths"]], fontsize=7)
         ax.set_yticks(range(len(m["depths"])), [f"{d:g}" for d in m["depths"]], fontsize=7)
@@ -310,7 +306,6 @@ def plot_heatmaps(folder: pathlib.Path, matrices: dict[str, dict[str, Any]]) -> 
         fig.tight_layout()
         path = folder / (name.replace(" ", "_").replace("=", "").replace("/", "_") + ".png")
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         paths.append(path)
     return paths
 

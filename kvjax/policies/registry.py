@@ -110,7 +110,7 @@ def name_of(policy: Policy) -> str:
 
     def diff(preset: Policy) -> list[str]:
         return [f"{f.name}={getattr(policy, f.name)!r}" for f in dataclasses.fields(policy)
-                if getattr(policy, f.name) != getattr(preset, f.name)]
+                if f.compare and getattr(policy, f.name) != getattr(preset, f.name)]  # not e.g. an adapter
 
     same = {n: diff(p) for n, p in _PRESETS.items() if type(p) is type(policy)}
     if not same:

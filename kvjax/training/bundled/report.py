@@ -17,15 +17,13 @@ from kvjax.training.bundled.config import BundledConfig, load_config
 def plot_loss(logs: list[tuple[pathlib.Path, int]], out_png: pathlib.Path) -> list[dict[str, float]]:
     """Plots loss and answer-token accuracy against step from `log.jsonl` files, each with the step
     its run started from (phases of one training, in order); returns the rows, steps offset."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # drawn without pyplot: the global backend is left alone
 
     rows = [{**row, "step": row["step"] + offset} for path, offset in logs
             for row in map(json.loads, filter(str.strip, path.read_text().splitlines()))]
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = Figure(figsize=(6, 3.5))
+    ax = fig.subplots()
     ax.plot(steps, [r.get("answer_loss", r["loss"]) for r in rows], label="answer loss")
     if any("context_loss" in r for r in rows):
         ax.plot(steps, [r.get("context_loss", float("nan")) for r in rows], label="prompt-token loss", alpha=0.7)
@@ -41,7 +39,6 @@ def plot_loss(logs: list[tuple[pathlib.Path, int]], out_png: pathlib.Path) -> li
     fig.tight_layout(rect=(0, 0, 1, 0.92))
     fig.tight_layout()
     fig.savefig(out_png, dpi=120)
-    plt.close(fig)
     return rows
 
 
