@@ -21,18 +21,34 @@ class ObservationSpec:
     window: > 0 records the post-RoPE queries of the last `window` real tokens of the chunk.
     column_mass: records, per key, the attention mass all (valid, causal) queries put on it.
     step_probs: records the attention probabilities of the chunk's last query over the cache slots.
+    output_norms: records, per key of a prefill, ||v_j W_o^h||_1 (the L1 norm of its value projected
+      by its query head's rows of the output projection), averaged over the query group: the
+      output-perturbation weight of CriticalKV and DefensiveKV (prefill only).
+    query_stats: >= 0 records the mean and covariance of the pre-RoPE queries of the real prompt
+      tokens at positions >= query_stats (ExpectedAttention's query statistics; -1 = none).
     """
 
     window: int = 0
     column_mass: bool = False
     step_probs: bool = False
+    output_norms: bool = False
+    query_stats: int = -1
 
     def merge(self, other: "ObservationSpec") -> "ObservationSpec":
-        """What both need: the wider window, and every recorded quantity of either."""
+        """What both need: the wider window, and every recorded quantity of either. Query
+        statistics over different position ranges cannot share one prefill (ValueError)."""
+        qs = max(self.query_stats, other.query_stats)
+        if min(self.query_stats, other.query_stats) >= 0 and self.query_stats != other.query_stats:
+            raise ValueError(
+                f"query_stats: one prefill records query statistics from one position only, got "
+                f"{self.query_stats} and {other.query_stats} (run these policies in separate calls)"
+            )
         return ObservationSpec(
             window=max(self.window, other.window),
             column_mass=self.column_mass or other.column_mass,
             step_probs=self.step_probs or other.step_probs,
+            output_norms=self.output_norms or other.output_norms,
+            query_stats=qs,
         )
 
     @classmethod
@@ -43,7 +59,8 @@ class ObservationSpec:
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.window or self.column_mass or self.step_probs)
+        return bool(self.window or self.column_mass or self.step_probs or self.output_norms
+                    or self.query_stats >= 0)
 
 
 @struct.dataclass
@@ -57,6 +74,11 @@ class Observations:
     step_probs [L,B,Hkv,G,C] float32: the last query's attention probabilities over the slots;
     lengths [B] int32: real tokens per row in the chunk (the prompt lengths, for a prefill);
     attn_scale: the model's softmax scale (static), for scorers that use the model's own scale.
+    output_norms [L,B,Hkv,C] float32: group mean of ||v_j W_o^h||_1 per prompt slot (0 elsewhere);
+    query_mean [L,B,Hq,D], query_cov [L,B,Hq,D,D] float32: mean and (biased, 1/n) covariance of the
+      pre-RoPE queries at positions >= spec.query_stats of each row;
+    rope_inv_freq: the model's RoPE inverse frequencies [D/2] (static tuple), with query statistics,
+      so that a policy can rotate them to future positions without calling the model.
     """
 
     window_queries: jax.Array | None = None
@@ -65,6 +87,10 @@ class Observations:
     step_probs: jax.Array | None = None
     lengths: jax.Array | None = None
     attn_scale: float | None = struct.field(pytree_node=False, default=None)
+    output_norms: jax.Array | None = None
+    query_mean: jax.Array | None = None
+    query_cov: jax.Array | None = None
+    rope_inv_freq: tuple[float, ...] | None = struct.field(pytree_node=False, default=None)
 
     def restrict(self, spec: ObservationSpec) -> "Observations":
         """The observations a narrower `spec` asks for: the window cut to its last `spec.window`
@@ -77,4 +103,7 @@ class Observations:
             q, p = (q[:, :, :, q.shape[3] - w:], p[:, p.shape[1] - w:]) if w else (None, None)
         return self.replace(window_queries=q, window_positions=p,
                             column_mass=self.column_mass if spec.column_mass else None,
-                            step_probs=self.step_probs if spec.step_probs else None)
+                            step_probs=self.step_probs if spec.step_probs else None,
+                            output_norms=self.output_norms if spec.output_norms else None,
+                            query_mean=self.query_mean if spec.query_stats >= 0 else None,
+                            query_cov=self.query_cov if spec.query_stats >= 0 else None)

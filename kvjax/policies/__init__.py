@@ -8,6 +8,9 @@ from kvjax.policies.allocators import Ada, Allocator, Cake, Pyramid, Uniform
 from kvjax.policies.base import Plan, Policy, Requirements, select
 from kvjax.policies.baseline import Random
 from kvjax.policies.cake import CAKE
+from kvjax.policies.critical import CriticalKV
+from kvjax.policies.defensive import DefensiveKV
+from kvjax.policies.expected import ExpectedAttention
 from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
 from kvjax.policies.lazy import LazyEviction
@@ -25,6 +28,9 @@ __all__ = [
     "AdaSnapKV",
     "Allocator",
     "Cake",
+    "CriticalKV",
+    "DefensiveKV",
+    "ExpectedAttention",
     "H2OPrefill",
     "KNorm",
     "LazyEviction",

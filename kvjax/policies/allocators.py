@@ -363,6 +363,10 @@ class Cake(Allocator):
     total (C - w)*L is split by P_l, fixed up by `adjust_budgets` and clipped. parity=True clips
     at T - w (the original, no memory saved); parity=False clips at min(T - w, cap_factor*(C - w))
     so that the cache compacts [kvjax choice]. Statistics use the last `window` queries.
+    cascade=True is cakekv's `--cascading` mode: after each layer l the budgets of layers 0..l are
+    recomputed from their preferences alone (the share P_m / sum_{k<=l} P_k of the whole total,
+    fixed up over those layers) and each of them is re-evicted from its stored indicator; as the
+    re-evictions are nested top-k of one score, layer m finally keeps min over l >= m of b_{m,l}.
     """
 
     tau1: float = 1.0
@@ -370,6 +374,7 @@ class Cake(Allocator):
     window: int = 32
     cap_factor: int = 2
     parity: bool = False
+    cascade: bool = False
 
     def __post_init__(self) -> None:
         check_float("tau1", self.tau1, 0.0, math.inf, lo_open=True, hi_open=True)
@@ -378,6 +383,8 @@ class Cake(Allocator):
         check_int("cap_factor", self.cap_factor, 1)
         if not isinstance(self.parity, bool):
             raise TypeError(f"parity must be a bool, got {self.parity!r}")
+        if not isinstance(self.cascade, bool):
+            raise TypeError(f"cascade must be a bool, got {self.cascade!r}")
 
     def requirements(self) -> Requirements:
         return Requirements(observe=ObservationSpec(window=self.window))
@@ -416,8 +423,16 @@ class Cake(Allocator):
         total = (nominal - protect) * L
         lp = jnp.where(jnp.isnan(log_pref), -jnp.inf, log_pref)
         lp = jnp.where(jnp.isfinite(lp).any(0, keepdims=True), lp, 0.0)  # all-degenerate row: uniform
-        share = jax.nn.softmax(lp, axis=0)
-        return cake_adjust_budgets(share * total[None].astype(jnp.float32), total, jnp.maximum(clip, 0))
+        bound = jnp.maximum(clip, 0)
+        if not self.cascade:
+            share = jax.nn.softmax(lp, axis=0)
+            return cake_adjust_budgets(share * total[None].astype(jnp.float32), total, bound)
+        out = jnp.full(lp.shape, jnp.iinfo(jnp.int32).max, jnp.int32)
+        for l in range(L):  # the state after layer l: budgets of the layers seen so far
+            share = jax.nn.softmax(lp[: l + 1], axis=0)
+            b = cake_adjust_budgets(share * total[None].astype(jnp.float32), total, bound)
+            out = out.at[: l + 1].min(jnp.minimum(b, bound[None]))
+        return out
 
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
         log_pref = scored.aux.get("cake_log_pref")

@@ -9,6 +9,9 @@ from kvjax.policies.allocators import Ada, Pyramid
 from kvjax.policies.base import Policy
 from kvjax.policies.baseline import Random
 from kvjax.policies.cake import CAKE
+from kvjax.policies.critical import CriticalKV
+from kvjax.policies.defensive import DefensiveKV
+from kvjax.policies.expected import ExpectedAttention
 from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
 from kvjax.policies.lazy import LazyEviction
@@ -45,6 +48,22 @@ _PRESETS: dict[str, Policy] = {
     "ada_pyramidkv": AdaPyramidKV(),
     "adakv_snapkv_kvpress": SnapKV(allocator=Ada(alpha=0.2, rule="kvpress"), **_KVPRESS_SNAP),
     "cake": CAKE(),
+    "cake_cascade": CAKE(cascade=True),
+    "expected_attention": ExpectedAttention(),
+    "expected_attention_kvpress": ExpectedAttention(rule="kvpress", query_aware=False),
+    "ada_expected_attention": ExpectedAttention(epsilon=1e-2, allocator=Ada(alpha=0.2)),
+    # kvpress's leaderboard entry `expected_attention`: AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))
+    "ada_expected_attention_kvpress": ExpectedAttention(
+        epsilon=1e-2, allocator=Ada(alpha=0.2, rule="kvpress"), rule="kvpress", query_aware=False
+    ),
+    "critical_snapkv": CriticalKV(scorer=SnapKV()),
+    "critical_ada_snapkv": CriticalKV(scorer=AdaSnapKV()),
+    "critical_snapkv_kvpress": CriticalKV(scorer=SnapKV(**_KVPRESS_SNAP), query_aware=False),
+    "critical_adakv_snapkv_kvpress": CriticalKV(
+        scorer=SnapKV(allocator=Ada(alpha=0.2, rule="kvpress"), **_KVPRESS_SNAP), query_aware=False
+    ),
+    "defensivekv": DefensiveKV(),
+    "layer_defensivekv": DefensiveKV(layer_wise=True),
     "knorm": KNorm(),
     "knorm_kvpress": KNorm(skip_layers=(), rule="kvpress", query_aware=False),
     "lazy_eviction": LazyEviction(),
