@@ -25,22 +25,22 @@ score falls below the global threshold could lose its window and keep nothing).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.kernels._common import masked_softmax
 from kvjax.observations import Observations, ObservationSpec
-from kvjax.policies.allocators import Allocation
+from kvjax.policies.allocators import Allocation, Allocator
 from kvjax.policies.base import (
     Plan,
-    PlanRequest,
     Requirements,
     as_i32,
     check_int,
     check_pool_kernel,
-    check_protected,
     rank,
+    row_budgets,
     select,
     window_protected,
 )
@@ -104,46 +104,37 @@ def stage_one(ave: jax.Array, cand: jax.Array, pos: jax.Array, threshold: jax.Ar
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DefensiveKV(PrefillPolicy):
-    """DefensiveKV with the authors' defaults: window 32, avg-pool kernel 5, head-adaptive budgets.
+class Defensive(Allocator):
+    """DefensiveKV's budget: the protected slots of each head (window + stage 1, from the scorer)
+    are kept and the rest of the budget goes to the best scores across all KV heads of a layer
+    (Ada-KV-style head budgets without a floor), or across all layers and heads (layer_wise=True,
+    Layer-DefensiveKV). The layer keeps int(T (1 - r) Hkv) entries for a ratio (the code's
+    rounding; times L when layer-wise) or Hkv * C for a budget C. A per-head budget at or below
+    the protected count keeps the most recent protected slots."""
 
-    layer_wise=True is Layer-DefensiveKV (one budget over all layers and heads). A budget C (per
-    KV head, window included, the average over heads and layers) must exceed the window; a ratio r
-    follows the code's int(T (1 - r) Hkv) per layer. Prompts must be longer than the window.
-    """
-
-    name = "defensivekv"
-
-    window: int = 32
-    kernel: int = 5
     layer_wise: bool = False
 
     def __post_init__(self) -> None:
-        super().__post_init__()
-        check_int("window", self.window, 1)
-        check_pool_kernel("kernel", self.kernel)
         if not isinstance(self.layer_wise, bool):
             raise TypeError(f"layer_wise must be a bool, got {self.layer_wise!r}")
 
-    def protected_count(self) -> int:
-        return self.window
-
-    def scorer_requirements(self) -> Requirements:
-        return Requirements(observe=ObservationSpec(window=self.window, output_norms=True))
-
-    def requirements(self) -> Requirements:
-        return self.scorer_requirements()
-
-    def allocate(self, req: PlanRequest) -> Allocation:
-        w, H, L = self.window, req.num_kv_heads, req.num_layers
-        budgets = req.row_budgets(self.kvpress_compat)
-        if self.rule == "paper":
-            check_protected(type(self).__name__, budgets, req.lengths, w, ratio=req.ratio is not None)
+    def allocate(
+        self,
+        lengths: Sequence[int],
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        budget: int | None,
+        ratio: float | None,
+        protect: int,
+        compat: str,
+    ) -> Allocation:
+        w, H, L = protect, num_kv_heads, num_layers
         counts, extra, bound = [], [], []
-        for t, c in zip(req.lengths, budgets):
+        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
             n_kept = min(c, t)
             scale = H * (L if self.layer_wise else 1)
-            total = int(t * (1 - req.ratio) * scale) if req.ratio is not None else scale * c
+            total = int(t * (1 - ratio) * scale) if ratio is not None else scale * c
             if n_kept >= t:
                 counts.append([t] * L), extra.append([-1] * L), bound.append([t] * L)
                 continue
@@ -153,26 +144,7 @@ class DefensiveKV(PrefillPolicy):
         evicts = any(e >= 0 for row in extra for e in row)
         return Allocation(tr(counts), tr(extra), tr(bound), evicts)
 
-    def check_lengths(self, lengths: tuple[int, ...]) -> None:
-        if min(lengths) <= self.window:
-            raise ValueError(f"{type(self).__name__} needs every prompt longer than window={self.window} "
-                             f"(the authors' code asserts T > w); the shortest has {min(lengths)} tokens")
-
-    def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
-        w = self.window
-        lengths = as_i32(plan.lengths)
-        q, qpos = last_window(obs, w)
-        scale = attention_scale(obs, cache.k.shape[-1], False)
-        s, ave, bias, cand = defensive_statistics(q, qpos, cache, lengths, w, self.kernel, scale)
-        norms = jnp.where(cand, require_output_norms(obs, "DefensiveKV"), 0.0)
-        share = norms / jnp.maximum(norms.sum(2, keepdims=True), jnp.finfo(jnp.float32).tiny)
-        s = s * share
-        cap = as_i32(plan.counts) - w
-        first = stage_one(ave, cand, cache.pos, STAGE1_MASS - bias, cap)
-        prot = window_protected(cache.pos, cache.valid, lengths, w) | first
-        return Scored(jnp.where(cand, s, 0.0), prot, {})
-
-    def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations) -> jax.Array:
+    def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
         L, B, H, C = cache.valid.shape
         nominal, total, lengths = as_i32(plan.counts), as_i32(plan.extra), as_i32(plan.lengths)
         valid, prot = cache.valid, scored.protected & cache.valid
@@ -189,5 +161,58 @@ class DefensiveKV(PrefillPolicy):
             left = total - forced.sum(-1)  # [L,B]
             r = rank(flat(scored.scores), flat(rest), pos=flat(cache.pos))
             chosen = (flat(rest) & (r < left[..., None])).reshape(L, B, H, C).sum(-1)
-        counts = jnp.where((nominal <= self.window)[..., None], nominal[..., None], forced + chosen)
+        counts = jnp.where((nominal <= protect)[..., None], nominal[..., None], forced + chosen)
         return jnp.where((total >= 0)[..., None], counts, lengths[None, :, None]).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DefensiveKV(PrefillPolicy):
+    """DefensiveKV with the authors' defaults: window 32, avg-pool kernel 5, head-adaptive budgets.
+
+    layer_wise=True is Layer-DefensiveKV (one budget over all layers and heads). A budget C (per
+    KV head, window included, the average over heads and layers) must exceed the window; a ratio r
+    follows the code's int(T (1 - r) Hkv) per layer. Prompts must be longer than the window.
+    The allocation is `Defensive(layer_wise)`; `allocator` is unused.
+    """
+
+    name = "defensivekv"
+
+    window: int = 32
+    kernel: int = 5
+    layer_wise: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("window", self.window, 1)
+        check_pool_kernel("kernel", self.kernel)
+        if not isinstance(self.layer_wise, bool):
+            raise TypeError(f"layer_wise must be a bool, got {self.layer_wise!r}")
+        super().__post_init__()
+
+    def budget_allocator(self) -> Allocator:
+        return Defensive(layer_wise=self.layer_wise)
+
+    def protected_count(self) -> int:
+        return self.window
+
+    def scorer_requirements(self) -> Requirements:
+        return Requirements(observe=ObservationSpec(window=self.window, output_norms=True))
+
+    def check_lengths(self, lengths: tuple[int, ...]) -> None:
+        if min(lengths) <= self.window:
+            raise ValueError(f"{type(self).__name__} needs every prompt longer than window={self.window} "
+                             f"(the authors' code asserts T > w); the shortest has {min(lengths)} tokens")
+
+    def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
+        """Scores s of the non-window slots; protected = window + stage-1 slots."""
+        w = self.window
+        lengths = as_i32(plan.lengths)
+        q, qpos = last_window(obs, w)
+        scale = attention_scale(obs, cache.k.shape[-1], False)
+        s, ave, bias, cand = defensive_statistics(q, qpos, cache, lengths, w, self.kernel, scale)
+        norms = jnp.where(cand, require_output_norms(obs, "DefensiveKV"), 0.0)
+        share = norms / jnp.maximum(norms.sum(2, keepdims=True), jnp.finfo(jnp.float32).tiny)
+        s = s * share
+        cap = as_i32(plan.counts) - w
+        first = stage_one(ave, cand, cache.pos, STAGE1_MASS - bias, cap)
+        prot = window_protected(cache.pos, cache.valid, lengths, w) | first
+        return Scored(jnp.where(cand, s, 0.0), prot, {})
