@@ -4,7 +4,7 @@
 The engine protocol (plan -> prefill_keep -> init_decode -> decode_update) is in `base`.
 """
 
-from kvjax.policies.allocators import Ada, Allocator, Cake, Pyramid, Uniform
+from kvjax.policies.allocators import Ada, Allocator, Cake, Global, Pyramid, Uniform
 from kvjax.policies.base import Plan, Policy, Requirements, select
 from kvjax.policies.baseline import Random
 from kvjax.policies.cake import CAKE
@@ -13,6 +13,7 @@ from kvjax.policies.defensive import DefensiveKV
 from kvjax.policies.expected import ExpectedAttention
 from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
+from kvjax.policies.kvzip import KVzip
 from kvjax.policies.lazy import LazyEviction
 from kvjax.policies.registry import available, get, resolve
 from kvjax.policies.snapkv import AdaPyramidKV, AdaSnapKV, PyramidKV, SnapKV
@@ -31,8 +32,10 @@ __all__ = [
     "CriticalKV",
     "DefensiveKV",
     "ExpectedAttention",
+    "Global",
     "H2OPrefill",
     "KNorm",
+    "KVzip",
     "LazyEviction",
     "Plan",
     "Policy",

@@ -305,6 +305,80 @@ def _top_share(s: jax.Array, cand: jax.Array, bp: jax.Array) -> jax.Array:
     return top / jnp.where(total > 0, total, 1)
 
 
+# ----------------------------------------------------------------------------- global (DefensiveKV, KVzip)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Global(Allocator):
+    """One budget shared by all KV heads of a layer (Ada-KV-style head budgets without a floor), or
+    by all layers and heads (across_layers=True): each head's protected slots (from the scorer) are
+    kept and the rest goes to the best scores across the group (DefensiveKV, Layer-DefensiveKV,
+    KVzip). With S = Hkv (or Hkv * L) slots-per-token, the group keeps S * C entries for a budget C,
+    and for a ratio r int(T (1 - r) S) (rounding="kept", DefensiveKV's code) or
+    T S - int(T S r) (rounding="pruned", KVzip's code). A per-head budget at or below the
+    protected count keeps the most recent protected slots."""
+
+    across_layers: bool = False
+    rounding: str = "kept"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.across_layers, bool):
+            raise TypeError(f"across_layers must be a bool, got {self.across_layers!r}")
+        check_choice("rounding", self.rounding, ("kept", "pruned"))
+
+    def allocate(
+        self,
+        lengths: Sequence[int],
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        budget: int | None,
+        ratio: float | None,
+        protect: int,
+        compat: str,
+    ) -> Allocation:
+        w, H, L = protect, num_kv_heads, num_layers
+        counts, extra, bound = [], [], []
+        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
+            n_kept = min(c, t)
+            scale = H * (L if self.across_layers else 1)
+            if ratio is None:
+                total = scale * c
+            elif self.rounding == "kept":
+                total = int(t * (1 - ratio) * scale)
+            else:
+                total = scale * t - int(scale * t * ratio)
+            if n_kept >= t:
+                counts.append([t] * L), extra.append([-1] * L), bound.append([t] * L)
+                continue
+            most = t if self.across_layers else min(t, total - (H - 1) * min(w, n_kept))
+            counts.append([n_kept] * L), extra.append([total] * L), bound.append([max(most, n_kept)] * L)
+        tr = lambda rows: tuple(tuple(col) for col in zip(*rows))  # noqa: E731  [B][L] -> [L][B]
+        evicts = any(e >= 0 for row in extra for e in row)
+        return Allocation(tr(counts), tr(extra), tr(bound), evicts)
+
+    def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
+        L, B, H, C = cache.valid.shape
+        nominal, total, lengths = as_i32(plan.counts), as_i32(plan.extra), as_i32(plan.lengths)
+        valid, prot = cache.valid, scored.protected & cache.valid
+        forced = prot.sum(-1)  # [L,B,H]
+        rest = valid & ~prot
+        if self.across_layers:  # one selection per row over (layer, head, slot)
+            flat = lambda x: jnp.moveaxis(x, 1, 0).reshape(B, L * H * C)  # noqa: E731
+            left = total[0] - forced.sum((0, 2))  # [B]
+            r = rank(flat(scored.scores), flat(rest), pos=flat(cache.pos))
+            chosen = flat(rest) & (r < left[:, None])
+            chosen = jnp.moveaxis(chosen.reshape(B, L, H, C), 0, 1).sum(-1)
+        else:
+            flat = lambda x: x.reshape(L, B, H * C)  # noqa: E731
+            left = total - forced.sum(-1)  # [L,B]
+            r = rank(flat(scored.scores), flat(rest), pos=flat(cache.pos))
+            chosen = (flat(rest) & (r < left[..., None])).reshape(L, B, H, C).sum(-1)
+        counts = jnp.where((nominal <= protect)[..., None], nominal[..., None], forced + chosen)
+        return jnp.where((total >= 0)[..., None], counts, lengths[None, :, None]).astype(jnp.int32)
+
+
+
 # ----------------------------------------------------------------------------- CAKE
 
 

@@ -25,22 +25,19 @@ score falls below the global threshold could lose its window and keep nothing).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.kernels._common import masked_softmax
 from kvjax.observations import Observations, ObservationSpec
-from kvjax.policies.allocators import Allocation, Allocator
+from kvjax.policies.allocators import Allocator, Global
 from kvjax.policies.base import (
     Plan,
     Requirements,
     as_i32,
     check_int,
     check_pool_kernel,
-    rank,
-    row_budgets,
     select,
     window_protected,
 )
@@ -104,75 +101,13 @@ def stage_one(ave: jax.Array, cand: jax.Array, pos: jax.Array, threshold: jax.Ar
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Defensive(Allocator):
-    """DefensiveKV's budget: the protected slots of each head (window + stage 1, from the scorer)
-    are kept and the rest of the budget goes to the best scores across all KV heads of a layer
-    (Ada-KV-style head budgets without a floor), or across all layers and heads (layer_wise=True,
-    Layer-DefensiveKV). The layer keeps int(T (1 - r) Hkv) entries for a ratio (the code's
-    rounding; times L when layer-wise) or Hkv * C for a budget C. A per-head budget at or below
-    the protected count keeps the most recent protected slots."""
-
-    layer_wise: bool = False
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.layer_wise, bool):
-            raise TypeError(f"layer_wise must be a bool, got {self.layer_wise!r}")
-
-    def allocate(
-        self,
-        lengths: Sequence[int],
-        num_layers: int,
-        num_kv_heads: int,
-        *,
-        budget: int | None,
-        ratio: float | None,
-        protect: int,
-        compat: str,
-    ) -> Allocation:
-        w, H, L = protect, num_kv_heads, num_layers
-        counts, extra, bound = [], [], []
-        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
-            n_kept = min(c, t)
-            scale = H * (L if self.layer_wise else 1)
-            total = int(t * (1 - ratio) * scale) if ratio is not None else scale * c
-            if n_kept >= t:
-                counts.append([t] * L), extra.append([-1] * L), bound.append([t] * L)
-                continue
-            most = t if self.layer_wise else min(t, total - (H - 1) * min(w, n_kept))
-            counts.append([n_kept] * L), extra.append([total] * L), bound.append([max(most, n_kept)] * L)
-        tr = lambda rows: tuple(tuple(col) for col in zip(*rows))  # noqa: E731  [B][L] -> [L][B]
-        evicts = any(e >= 0 for row in extra for e in row)
-        return Allocation(tr(counts), tr(extra), tr(bound), evicts)
-
-    def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
-        L, B, H, C = cache.valid.shape
-        nominal, total, lengths = as_i32(plan.counts), as_i32(plan.extra), as_i32(plan.lengths)
-        valid, prot = cache.valid, scored.protected & cache.valid
-        forced = prot.sum(-1)  # [L,B,H]
-        rest = valid & ~prot
-        if self.layer_wise:  # one selection per row over (layer, head, slot)
-            flat = lambda x: jnp.moveaxis(x, 1, 0).reshape(B, L * H * C)  # noqa: E731
-            left = total[0] - forced.sum((0, 2))  # [B]
-            r = rank(flat(scored.scores), flat(rest), pos=flat(cache.pos))
-            chosen = flat(rest) & (r < left[:, None])
-            chosen = jnp.moveaxis(chosen.reshape(B, L, H, C), 0, 1).sum(-1)
-        else:
-            flat = lambda x: x.reshape(L, B, H * C)  # noqa: E731
-            left = total - forced.sum(-1)  # [L,B]
-            r = rank(flat(scored.scores), flat(rest), pos=flat(cache.pos))
-            chosen = (flat(rest) & (r < left[..., None])).reshape(L, B, H, C).sum(-1)
-        counts = jnp.where((nominal <= protect)[..., None], nominal[..., None], forced + chosen)
-        return jnp.where((total >= 0)[..., None], counts, lengths[None, :, None]).astype(jnp.int32)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class DefensiveKV(PrefillPolicy):
     """DefensiveKV with the authors' defaults: window 32, avg-pool kernel 5, head-adaptive budgets.
 
     layer_wise=True is Layer-DefensiveKV (one budget over all layers and heads). A budget C (per
     KV head, window included, the average over heads and layers) must exceed the window; a ratio r
     follows the code's int(T (1 - r) Hkv) per layer. Prompts must be longer than the window.
-    The allocation is `Defensive(layer_wise)`; `allocator` is unused.
+    The allocation is `Global(across_layers=layer_wise)`; `allocator` is unused.
     """
 
     name = "defensivekv"
@@ -189,7 +124,7 @@ class DefensiveKV(PrefillPolicy):
         super().__post_init__()
 
     def budget_allocator(self) -> Allocator:
-        return Defensive(layer_wise=self.layer_wise)
+        return Global(across_layers=self.layer_wise)
 
     def protected_count(self) -> int:
         return self.window

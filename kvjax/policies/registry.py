@@ -14,6 +14,7 @@ from kvjax.policies.defensive import DefensiveKV
 from kvjax.policies.expected import ExpectedAttention
 from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
+from kvjax.policies.kvzip import KVzip
 from kvjax.policies.lazy import LazyEviction
 from kvjax.policies.snapkv import AdaPyramidKV, AdaSnapKV, PyramidKV, SnapKV
 from kvjax.policies.streaming import StreamingLLM
@@ -64,6 +65,8 @@ _PRESETS: dict[str, Policy] = {
     ),
     "defensivekv": DefensiveKV(),
     "layer_defensivekv": DefensiveKV(layer_wise=True),
+    "kvzip": KVzip(),
+    "kvzip_kvpress": KVzip(rule="kvpress", query_aware=False),
     "knorm": KNorm(),
     "knorm_kvpress": KNorm(skip_layers=(), rule="kvpress", query_aware=False),
     "lazy_eviction": LazyEviction(),

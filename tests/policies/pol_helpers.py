@@ -141,6 +141,8 @@ def build(q, k, v, lengths, slots, window) -> Inputs:
         query_mean=jnp.asarray(qmean.astype(np.float32)),
         query_cov=jnp.asarray(qcov.astype(np.float32)),
         rope_inv_freq=INV_FREQ,
+        # a stand-in for KVzip's reconstruction scores: a per-slot function of the key (row-independent)
+        reconstruction=jnp.asarray(np.where(valid4, 1 / (1 + np.exp(-k[..., 0] - k[..., 1])), 0).astype(np.float32)),
     )
     return Inputs(q=q, k=k, lengths=tuple(lengths), window=window, mass=mass, cache=cache, obs=obs, v=v, wo=wo)
 

@@ -22,6 +22,7 @@ from kvjax.policies import (
     DefensiveKV,
     ExpectedAttention,
     H2OPrefill,
+    KVzip,
     KNorm,
     LazyEviction,
     PyramidKV,
@@ -66,6 +67,8 @@ POLICIES = {
     "critical_adakv_snapkv_kvpress": get("critical_adakv_snapkv_kvpress", scorer=get("adakv_snapkv_kvpress", window=4)),
     "defensivekv": DefensiveKV(window=4),
     "layer_defensivekv": DefensiveKV(window=4, layer_wise=True),
+    "kvzip": KVzip(),
+    "kvzip_kvpress": get("kvzip_kvpress"),
 }
 
 
@@ -73,7 +76,7 @@ def protected_of(policy, T, C):
     """Positions a policy must keep at prefill (given the count C it keeps), or an empty set."""
     if isinstance(policy, CriticalKV):
         return protected_of(policy.scorer, T, C)
-    if isinstance(policy, ExpectedAttention):  # sinks; a count below them keeps the most recent ones
+    if isinstance(policy, (ExpectedAttention, KVzip)):  # sinks; a count below them keeps the most recent ones
         n = min(policy.n_sink, T)
         return set(range(n - min(n, C), n))
     if isinstance(policy, (SnapKV, CAKE, H2OPrefill, DefensiveKV)):
@@ -108,7 +111,7 @@ def budget_args(policy, data):
     if getattr(policy, "rule", "paper") == "kvpress":
         return None, data.draw(st.sampled_from([0.1, 0.25, 0.3, 0.5, 0.75, 0.8, 0.9]), label="ratio")
     low = {SnapKV: 5, CAKE: 5, H2OPrefill: 5, StreamingLLM: 5, LazyEviction: 4, H2O: 2, ExpectedAttention: 5,
-           DefensiveKV: 5, CriticalKV: 5}
+           DefensiveKV: 5, CriticalKV: 5, KVzip: 5}
     lo = next((v for k, v in low.items() if isinstance(policy, k)), 1)
     return data.draw(st.integers(lo, 34), label="budget"), None
 

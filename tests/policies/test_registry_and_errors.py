@@ -34,7 +34,7 @@ PRESETS = {
     # issue 15: the strongest scorers of 2025-26
     "ada_expected_attention", "ada_expected_attention_kvpress", "cake_cascade", "critical_ada_snapkv",
     "critical_adakv_snapkv_kvpress", "critical_snapkv", "critical_snapkv_kvpress", "defensivekv", "expected_attention",
-    "expected_attention_kvpress", "layer_defensivekv",
+    "expected_attention_kvpress", "kvzip", "kvzip_kvpress", "layer_defensivekv",
 }
 
 
