@@ -175,3 +175,41 @@ def test_presets_and_errors():
 
     t = KVzip.for_tokenizer(Tok(), chunk_size=512)
     assert t.first_ids == (6, 3, 8, 7, 8) and t.chunk_size == 512 and t.next_ids[-2:] == (8, 4)
+
+
+@pytest.mark.slow
+def test_engine_compress_uses_the_reconstruction_scores(stories_path):
+    """Through the public engine (padded batch, several chunks): each row keeps exactly
+    L*Hkv*T - int(L*Hkv*T*r) entries, the sinks, and the global top scores of the reconstruction pass
+    recomputed here from the model alone (up to float noise between the two bucket lengths)."""
+    model = kvjax.load_model(stories_path)
+    cfg = model.config
+    rng = np.random.RandomState(11)
+    lengths = (70, 45)
+    prompts = [[1] + rng.randint(3, cfg.vocab_size, n - 1).tolist() for n in lengths]
+    policy = KVzip(chunk_size=24, first_ids=(5, 6), next_ids=(7,), suffix_ids=(8,), rule="kvpress", query_aware=False)
+    cache = kvjax.engine.compress(model, prompts, policy=policy, compression_ratio=0.5)
+    valid, pos = np.asarray(cache.valid), np.asarray(cache.pos)
+    T = 72
+    tokens = np.zeros((2, T), np.int32)
+    positions = np.full((2, T), -1, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+        positions[b, : len(p)] = np.arange(len(p))
+    full = KVCache.init(cfg.num_layers, 2, cfg.num_kv_heads, T, cfg.head_dim, cfg.jnp_dtype)
+    _, full, _ = extend(model.params, cfg, full, jnp.asarray(tokens), jnp.asarray(positions), fresh=True)
+    s = np.asarray(reconstruction_scores(model.params, cfg, full, jnp.asarray(tokens), jnp.asarray(positions),
+                                         policy.reconstruction()), np.float64)
+    L = cfg.num_layers
+    for b, n in enumerate(lengths):
+        numel = L * cfg.num_kv_heads * n
+        assert valid[:, b].sum() == numel - int(numel * 0.5)
+        kept = np.zeros((L, cfg.num_kv_heads, n), bool)
+        for l in range(L):
+            for h in range(cfg.num_kv_heads):
+                kept[l, h, pos[l, b, h][valid[l, b, h]]] = True
+        assert kept[:, :, : policy.n_sink].all()
+        sc = s[:, b, :, policy.n_sink : n]
+        k = kept[:, :, policy.n_sink :]
+        assert sc[k].min() >= sc[~k].max() - 1e-5  # a global threshold over layers and heads
+        assert len({kept[l].sum() for l in range(L)}) > 1  # budgets differ across layers
