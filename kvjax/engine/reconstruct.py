@@ -27,7 +27,7 @@ def _chunk_max(q: jax.Array, qpos: jax.Array, cache: KVCache, lengths: jax.Array
                n_sink: int, scale: float) -> jax.Array:
     """[L,B,Hkv,C] float32: per key of the chunk [start, end), the max over group heads and queries
     of the subsampled softmax. q [L,B,Hq,n,D] post-RoPE, qpos [B,n] absolute (-1 = padding)."""
-    L, B, Hq, n, D = q.shape
+    _, B, Hq, n, D = q.shape
     Hkv = cache.k.shape[2]
     G = Hq // Hkv
     nb = -(-n // QUERY_BLOCK)

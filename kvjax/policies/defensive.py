@@ -25,6 +25,7 @@ score falls below the global threshold could lose its window and keep nothing).
 from __future__ import annotations
 
 import dataclasses
+
 import jax
 import jax.numpy as jnp
 

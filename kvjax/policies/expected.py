@@ -88,7 +88,7 @@ class ExpectedAttention(PrefillPolicy):
 
         def one(xs):  # one layer: [B,Hq,D], [B,Hq,D,D] | None, [B,Hkv,C,D], [B,Hkv,C]
             m, c, k, ok = xs
-            B, Hkv, C, _ = k.shape
+            B, Hkv = k.shape[:2]
             G = m.shape[1] // Hkv
             kf = k.astype(jnp.float32)
             z = jnp.einsum("bhgd,bhcd->bhgc", m.reshape(B, Hkv, G, d), kf) / jnp.sqrt(jnp.float32(d))

@@ -71,9 +71,9 @@ class KVzip(PrefillPolicy):
         super().__post_init__()
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, **overrides: Any) -> "KVzip":
+    def for_tokenizer(cls, tokenizer: Any, **overrides: Any) -> KVzip:
         """KVzip with the authors' instruction prompts encoded by `tokenizer` (no special tokens)."""
-        enc = lambda text: tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+        enc = lambda text: tuple(int(t) for t in tokenizer.encode(text, add_special_tokens=False))
         return cls(first_ids=enc(FIRST_PROMPT), next_ids=enc(NEXT_PROMPT), **overrides)
 
     def budget_allocator(self) -> Allocator:

@@ -12,11 +12,11 @@ import math
 
 import jax
 import numpy as np
-
 import pol_reference as R
-from kvjax.policies import Ada
-from pol_helpers import G, HKV, INV_FREQ, D, Inputs, assert_same_kept, kept_positions, output_norms_np
+from pol_helpers import HKV, INV_FREQ, D, G, Inputs, assert_same_kept, kept_positions, output_norms_np
 from pol_prefill_ref import cake_raw_budgets, reference_prefill, row_budget
+
+from kvjax.policies import Ada
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -184,7 +184,7 @@ def defensive_reference(policy, inp: Inputs, budget=None, ratio=None):
         for ls in groups:
             cands = [(l, h, j) for l in ls for h in range(HKV) for j in range(T - w) if j not in layers[l][1][h]]
             left = total - sum(len(layers[l][1][h]) for l in ls for h in range(HKV))
-            chosen = _topk_keyed(cands, lambda c: (-layers[c[0]][0][c[1], c[2]], c[2], c[0], c[1]), left)
+            chosen = _topk_keyed(cands, lambda c, ls_=layers: (-ls_[c[0]][0][c[1], c[2]], c[2], c[0], c[1]), left)
             for l in ls:
                 s, forced = layers[l]
                 for h in range(HKV):

@@ -6,14 +6,14 @@ import functools
 
 import numpy as np
 import pytest
-
-from kvjax.policies import CAKE, get
 from pol_helpers import make_inputs
 from pol_prefill_ref import cake_raw_budgets, reference_prefill
 from pol_scorers_ref import cake_cascade_reference, check_kept
 
+from kvjax.policies import CAKE, get
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def inputs(seed=1, lengths=(29, 17, 23), layers=4):
     return make_inputs(seed, lengths=lengths, window=8, num_layers=layers)
 

@@ -6,13 +6,13 @@ import functools
 
 import numpy as np
 import pytest
-
-from kvjax.policies import AdaSnapKV, CriticalKV, KNorm, SnapKV, get
 from pol_helpers import HKV, make_inputs
 from pol_scorers_ref import check_kept, critical_reference
 
+from kvjax.policies import AdaSnapKV, CriticalKV, KNorm, SnapKV, get
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def inputs(seed=0, lengths=(29, 17, 23)):
     return make_inputs(seed, lengths=lengths, window=8, num_layers=2)
 

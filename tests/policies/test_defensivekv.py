@@ -6,13 +6,13 @@ import functools
 
 import numpy as np
 import pytest
-
-from kvjax.policies import DefensiveKV, get
 from pol_helpers import HKV, make_inputs
 from pol_scorers_ref import check_kept, defensive_layer, defensive_reference
 
+from kvjax.policies import DefensiveKV, get
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def inputs(seed=0, lengths=(29, 17, 23), q_scale=2.5):
     return make_inputs(seed, lengths=lengths, window=8, num_layers=3, q_scale=q_scale)
 
@@ -32,7 +32,7 @@ def inputs(seed=0, lengths=(29, 17, 23), q_scale=2.5):
 def test_kept_sets_equal_reference(layer_wise, kw, budget, ratio, seed, q_scale):
     inp = inputs(seed, q_scale=q_scale)
     policy = DefensiveKV(layer_wise=layer_wise, **kw)
-    plan, keep = check_kept(policy, inp, defensive_reference(policy, inp, budget, ratio), budget, ratio)
+    _, keep = check_kept(policy, inp, defensive_reference(policy, inp, budget, ratio), budget, ratio)
     total = keep.sum(-1)
     for b, T in enumerate(inp.lengths):  # the budget is spent exactly: per layer, or over all layers
         n_kept = int(T * (1 - ratio)) if ratio is not None else budget

@@ -7,13 +7,13 @@ import functools
 import jax
 import numpy as np
 import pytest
-
-from kvjax.policies import Ada, ExpectedAttention, get
 from pol_helpers import HKV, make_inputs
 from pol_scorers_ref import check_kept, expected_reference, expected_scores
 
+from kvjax.policies import Ada, ExpectedAttention, get
 
-@functools.lru_cache(maxsize=None)
+
+@functools.cache
 def inputs(seed=0, lengths=(29, 17, 23)):
     return make_inputs(seed, lengths=lengths, window=8, num_layers=2, q_scale=1.0)
 
@@ -49,7 +49,7 @@ def test_scores_equal_reference(policy):
 )
 def test_kept_sets_equal_reference(policy, budget, ratio):
     inp = inputs()
-    plan, keep = check_kept(policy, inp, expected_reference(policy, inp, budget, ratio), budget, ratio)
+    _, keep = check_kept(policy, inp, expected_reference(policy, inp, budget, ratio), budget, ratio)
     assert keep[:, :, :, :4].all()  # the sinks
 
 

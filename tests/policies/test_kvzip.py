@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from pol_helpers import HKV, assert_same_kept, kept_positions, make_inputs
+from tiny_models import build_hf
 
 import kvjax
 from kvjax.cache import KVCache
@@ -18,8 +20,6 @@ from kvjax.engine.reconstruct import reconstruction_scores
 from kvjax.models import extend
 from kvjax.observations import ObservationSpec, Reconstruction
 from kvjax.policies import KVzip, get
-from pol_helpers import HKV, assert_same_kept, kept_positions, make_inputs
-from tiny_models import build_hf
 
 SPEC = Reconstruction(chunk_size=8, n_sink=2, postfix=3, first_ids=(5, 6, 7), next_ids=(8, 9), suffix_ids=(10,))
 LENGTHS = (13, 21, 8)
@@ -47,7 +47,7 @@ def _hf_scores(hf, ids, spec):
         n = len(rep)
         seen = {}
         hooks = [layer.self_attn.register_forward_pre_hook(
-            lambda m, a, kw, l=l: seen.__setitem__(l, (kw["hidden_states"], kw["position_embeddings"])),
+            lambda m, a, kw, l=l, seen=seen: seen.__setitem__(l, (kw["hidden_states"], kw["position_embeddings"])),
             with_kwargs=True) for l, layer in enumerate(hf.model.layers)]
         with torch.no_grad():
             res = hf(torch.tensor([ids + rep]), use_cache=True)
@@ -131,7 +131,7 @@ def kvzip_reference(policy, s, lengths, L, budget=None, ratio=None):
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def inputs():
     return make_inputs(2, lengths=(29, 17, 23), window=8, num_layers=3)
 

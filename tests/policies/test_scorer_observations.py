@@ -7,12 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from tiny_models import build_hf
 
 import kvjax
 from kvjax.cache import KVCache
 from kvjax.models import extend
 from kvjax.observations import ObservationSpec
-from tiny_models import build_hf
 
 LENGTHS = (13, 21, 8)
 
