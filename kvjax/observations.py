@@ -48,6 +48,12 @@ class ObservationSpec:
       tokens at positions >= query_stats (ExpectedAttention's query statistics; -1 = none).
     reconstruction: a `Reconstruction` records, per prompt key, KVzip's max attention from the
       repeat-the-context pass (engine prefill only; None = not recorded).
+    query_mass: records, per query head and cache slot, the attention probability summed over the
+      chunk's real queries.
+    lookahead: asks the engine for a LookaheadKV pass after the prompt: the learned tokens of the
+      policy's adapter (`Policy.lookahead_adapter()`, its params a traced input) run against the
+      prompt cache without being stored, and their `query_mass` over the prompt slots is recorded.
+      The prompt prefill itself ignores it.
     """
 
     window: int = 0
@@ -56,6 +62,8 @@ class ObservationSpec:
     output_norms: bool = False
     query_stats: int = -1
     reconstruction: Reconstruction | None = None
+    query_mass: bool = False
+    lookahead: bool = False
 
     def merge(self, other: "ObservationSpec") -> "ObservationSpec":
         """What both need: the wider window, and every recorded quantity of either. Query
@@ -79,6 +87,8 @@ class ObservationSpec:
             output_norms=self.output_norms or other.output_norms,
             query_stats=qs,
             reconstruction=rec,
+            query_mass=self.query_mass or other.query_mass,
+            lookahead=self.lookahead or other.lookahead,
         )
 
     @classmethod
@@ -89,8 +99,8 @@ class ObservationSpec:
         return out
 
     def __bool__(self) -> bool:
-        return bool(self.window or self.column_mass or self.step_probs or self.output_norms
-                    or self.query_stats >= 0 or self.reconstruction is not None)
+        return bool(self.window or self.column_mass or self.step_probs or self.query_mass or self.lookahead
+                    or self.output_norms or self.query_stats >= 0 or self.reconstruction is not None)
 
 
 @struct.dataclass
@@ -102,6 +112,9 @@ class Observations:
     column_mass [L,B,Hkv,C] float32: attention mass that all causal queries put on each slot
       (summed over the query group);
     step_probs [L,B,Hkv,G,C] float32: the last query's attention probabilities over the slots;
+    query_mass [L,B,Hq,C] float32: per query head, the attention probability the chunk's real
+      queries put on each cache slot, summed over them (after a LookaheadKV pass: its n learned
+      tokens' mass over the prompt slots, the softmax including their own causal keys);
     lengths [B] int32: real tokens per row in the chunk (the prompt lengths, for a prefill);
     attn_scale: the model's softmax scale (static), for scorers that use the model's own scale.
     output_norms [L,B,Hkv,C] float32: group mean of ||v_j W_o^h||_1 per prompt slot (0 elsewhere);
@@ -117,6 +130,7 @@ class Observations:
     window_positions: jax.Array | None = None
     column_mass: jax.Array | None = None
     step_probs: jax.Array | None = None
+    query_mass: jax.Array | None = None
     lengths: jax.Array | None = None
     attn_scale: float | None = struct.field(pytree_node=False, default=None)
     output_norms: jax.Array | None = None
@@ -137,6 +151,7 @@ class Observations:
         return self.replace(window_queries=q, window_positions=p,
                             column_mass=self.column_mass if spec.column_mass else None,
                             step_probs=self.step_probs if spec.step_probs else None,
+                            query_mass=self.query_mass if spec.query_mass or spec.lookahead else None,
                             output_norms=self.output_norms if spec.output_norms else None,
                             query_mean=self.query_mean if spec.query_stats >= 0 else None,
                             query_cov=self.query_cov if spec.query_stats >= 0 else None,

@@ -44,6 +44,19 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     return y if b is None else y + b
 
 
+def _lora(y: jax.Array, x: jax.Array, name: str, hook: dict[str, Any] | None) -> jax.Array:
+    """y + mask * scale * (x A) B on the hook's rows only; other rows are returned bit-identical.
+
+    x [B,n,in], y [B,n,out]; hook: {"lora": {name: {"a": [in,r], "b": [r,out]}} (this layer's slice),
+    "mask": [B,n] bool, "scale": float}. Projections absent from hook["lora"] are left alone.
+    """
+    if hook is None or name not in hook["lora"]:
+        return y
+    f = hook["lora"][name]
+    delta = (x.astype(jnp.float32) @ f["a"].astype(jnp.float32)) @ f["b"].astype(jnp.float32)
+    return jnp.where(hook["mask"][..., None], y + (hook["scale"] * delta).astype(y.dtype), y)
+
+
 def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, scale: float
 ) -> tuple[jax.Array, jax.Array]:
@@ -143,6 +156,9 @@ def extend(
     slots: jax.Array | None = None,
     remat: bool = False,
     rope_mode: str = "original",
+    inputs_embeds: jax.Array | None = None,
+    adapter: dict[str, Any] | None = None,
+    commit: bool = True,
 ) -> tuple[jax.Array, KVCache, Observations]:
     """Runs `n` new tokens through the model, writing their keys/values into `cache`.
 
@@ -158,10 +174,17 @@ def extend(
     rope_mode: "original", or "cache_relative" (StreamingLLM): keys are cached un-rotated; a filled
       cache is attended with every kept key rotated at its rank among the kept slots of its head,
       and each new query at the rank of its own slot. A prefill is the same either way.
+    inputs_embeds [B,n,E]: input vectors used instead of `embed[tokens]` (tokens may then be None).
+    adapter: a row-masked low-rank hook (LookaheadKV): {"lora": {proj: {"a": [L,in,r], "b": [L,r,out]}},
+      "mask": [B,n] bool, "scale": float}; proj in q,k,v,o,gate,up,down. Rows where mask is False
+      compute exactly what they compute without the hook (bit-identical).
+    commit: False (with fresh=False, rope_mode "original") attends the new tokens to the cache plus
+      their own keys (causal by position) without writing them: the returned cache is `cache` itself.
     Returns logits [B,n or k,V] float32, the updated cache, and the `Observations` asked for:
-      window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32.
+      window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32,
+      query_mass [L,B,Hq,C] f32 (cache slots only; not for blocked prefills).
     """
-    B, n = tokens.shape
+    B, n = positions.shape
     L, Hq, Hkv, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = cfg.jnp_dtype
     eps = cfg.rms_norm_eps
@@ -173,10 +196,12 @@ def extend(
     cos, sin = rope_tables(jnp.maximum(positions, 0), inv_freq, dtype)
     if cache is None and not fresh:
         raise ValueError("extend: cache=None needs fresh=True")
-    if not fresh and slots is None:
+    if not commit and (fresh or relative):
+        raise ValueError("extend: commit=False needs fresh=False and rope_mode='original'")
+    if not fresh and slots is None and commit:
         slots = cache.write_slots(n)
     C = n if cache is None else cache.capacity
-    h = params["embed"][tokens].astype(dtype)
+    h = (params["embed"][tokens] if inputs_embeds is None else inputs_embeds).astype(dtype)
     observe_any = bool(observe)
     n_real = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
     window_pos = n_real[:, None] - observe.window + jnp.arange(observe.window)  # [B, w]
@@ -185,10 +210,11 @@ def extend(
     def layer(carry, xs):
         h, ck, cv, cpos, cvalid = carry
         lp, l = xs["params"], xs["index"]
+        hook = None if adapter is None else {**adapter, "lora": xs["lora"]}
         x = rms_norm(h, lp["input_norm"], eps)
-        q = _linear(x, lp["q"], lp.get("q_bias")).reshape(B, n, Hq, D).transpose(0, 2, 1, 3)
-        k = _linear(x, lp["k"], lp.get("k_bias")).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
-        v = _linear(x, lp["v"], lp.get("v_bias")).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
+        q = _lora(_linear(x, lp["q"], lp.get("q_bias")), x, "q", hook).reshape(B, n, Hq, D).transpose(0, 2, 1, 3)
+        k = _lora(_linear(x, lp["k"], lp.get("k_bias")), x, "k", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
+        v = _lora(_linear(x, lp["v"], lp.get("v_bias")), x, "v", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
         if cfg.qk_norm:
             q = rms_norm(q, lp["q_norm"], eps)
             k = rms_norm(k, lp["k_norm"], eps)
@@ -217,6 +243,11 @@ def extend(
                 probs = None
             else:
                 out, probs = attend(q, k, v, positions, new_pos, scale)
+        elif not commit:  # the new tokens see the cache and each other, and are not stored
+            keys = jnp.concatenate([ck[l], k.astype(ck.dtype)], axis=2)
+            vals = jnp.concatenate([cv[l], v.astype(cv.dtype)], axis=2)
+            key_pos = jnp.concatenate([jnp.where(cvalid[l], cpos[l], -1), new_pos], axis=2)
+            out, probs = attend(q, keys, vals, positions, key_pos, scale)
         else:
             s = xs["slots"]  # [B, Hkv, n]
             bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(Hkv), indexing="ij")
@@ -241,11 +272,12 @@ def extend(
                 layer_pos = jnp.where(cvalid[l], cpos[l], -1)
                 out, probs = attend(q, keys, cv[l], positions, layer_pos, scale)
         attn = out.transpose(0, 2, 1, 3).reshape(B, n, Hq * D)
-        h = h + _linear(attn, lp["o"], lp.get("o_bias"))
+        h = h + _lora(_linear(attn, lp["o"], lp.get("o_bias")), attn, "o", hook)
         x = rms_norm(h, lp["post_norm"], eps)
-        gate = _linear(x, lp["gate"], lp.get("gate_bias"))
-        up = _linear(x, lp["up"], lp.get("up_bias"))
-        h = h + _linear(jax.nn.silu(gate) * up, lp["down"], lp.get("down_bias"))
+        gate = _lora(_linear(x, lp["gate"], lp.get("gate_bias")), x, "gate", hook)
+        up = _lora(_linear(x, lp["up"], lp.get("up_bias")), x, "up", hook)
+        act = jax.nn.silu(gate) * up
+        h = h + _lora(_linear(act, lp["down"], lp.get("down_bias")), act, "down", hook)
         obs = {}
         if observe.window:
             obs["window_queries"] = jnp.take_along_axis(q, window_index[:, None, :, None], axis=2)
@@ -260,11 +292,19 @@ def extend(
             obs["output_norms"] = jnp.pad(norms, ((0, 0), (0, 0), (0, C - n)))
         if observe.query_stats >= 0 and fresh:
             obs["query_mean"], obs["query_cov"] = query_statistics(q_raw, positions, observe.query_stats)
+        if observe.query_mass:
+            if probs is None:
+                raise ValueError("extend: query_mass is not recorded for blocked prefills (n > QUERY_BLOCK)")
+            mass = jnp.sum(jnp.where((positions >= 0)[:, None, None, :, None], probs, 0.0), axis=3)
+            mass = mass.reshape(B, Hq, -1)
+            obs["query_mass"] = jnp.pad(mass, ((0, 0), (0, 0), (0, C - mass.shape[-1]))) if fresh else mass[:, :, :C]
         return (h, ck, cv, cpos, cvalid), obs
 
     xs = {"params": params["layers"], "index": jnp.arange(L)}
-    if not fresh:
+    if not fresh and commit:
         xs["slots"] = slots
+    if adapter is not None:
+        xs["lora"] = adapter["lora"]
     if remat:
         layer = jax.checkpoint(layer)
     init = (h, None, None, None, None) if cache is None else (h, cache.k, cache.v, cache.pos, cache.valid)
@@ -278,7 +318,8 @@ def extend(
     observations = Observations(
         window_queries=obs.get("window_queries"),
         window_positions=jnp.where(window_pos >= 0, window_pos, -1) if observe.window else None,
-        column_mass=obs.get("column_mass"), step_probs=obs.get("step_probs"), lengths=n_real, attn_scale=scale,
+        column_mass=obs.get("column_mass"), step_probs=obs.get("step_probs"), query_mass=obs.get("query_mass"),
+        lengths=n_real, attn_scale=scale,
         output_norms=obs.get("output_norms"), query_mean=obs.get("query_mean"), query_cov=obs.get("query_cov"),
         rope_inv_freq=tuple(float(x) for x in inv_freq) if observe.query_stats >= 0 else None)
     return logits, cache, observations

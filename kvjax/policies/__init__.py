@@ -15,6 +15,7 @@ from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
 from kvjax.policies.kvzip import KVzip
 from kvjax.policies.lazy import LazyEviction
+from kvjax.policies.lookahead import LookaheadKV
 from kvjax.policies.registry import available, get, resolve
 from kvjax.policies.snapkv import AdaPyramidKV, AdaSnapKV, PyramidKV, SnapKV
 from kvjax.policies.streaming import StreamingLLM
@@ -37,6 +38,7 @@ __all__ = [
     "KNorm",
     "KVzip",
     "LazyEviction",
+    "LookaheadKV",
     "Plan",
     "Policy",
     "Pyramid",

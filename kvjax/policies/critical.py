@@ -54,11 +54,11 @@ class CriticalKV(PrefillPolicy):
 
     Stage 1 keeps int(n * first_stage_ratio) entries (kvpress: int((1-r) T first_stage_ratio);
     identical for the default 0.5); protected slots always count in stage 1, as kvpress's max+1
-    scores make them. `rule` and `kvpress_compat` are copied from the scorer; `allocator` of the
-    wrapper is unused (the scorer's applies).
+    scores make them. The wrapper's `rule` and `kvpress_compat` are set on the scorer (pass
+    rule="kvpress" for a kvpress scorer); `allocator` of the wrapper is unused (the scorer's applies).
     """
 
-    name = "criticalkv"
+    name = "critical_snapkv"  # the preset equal to the class defaults (scorer=SnapKV())
 
     scorer: PrefillPolicy = SnapKV()
     epsilon: float = 1e-4
@@ -71,9 +71,10 @@ class CriticalKV(PrefillPolicy):
         if self.scorer.requirements().decode_eviction:
             raise ValueError(f"scorer must be prefill-only; {type(self.scorer).__name__} evicts while decoding "
                              "(pass decode=False)")
-        # the scorer's budget rule applies (plan, protected-token checks): mirror it for callers
-        object.__setattr__(self, "rule", self.scorer.rule)
-        object.__setattr__(self, "kvpress_compat", self.scorer.kvpress_compat)
+        # the wrapper's budget rule and kvpress arithmetic are the scorer's (its plan applies)
+        if (self.scorer.rule, self.scorer.kvpress_compat) != (self.rule, self.kvpress_compat):
+            scorer = dataclasses.replace(self.scorer, rule=self.rule, kvpress_compat=self.kvpress_compat)
+            object.__setattr__(self, "scorer", scorer)
         check_float("epsilon", self.epsilon, 0.0, float("inf"), hi_open=True)
         check_float("first_stage_ratio", self.first_stage_ratio, 0.0, 1.0)
 
