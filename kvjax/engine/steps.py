@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import KVCache
+from kvjax.engine.reconstruct import reconstruction_scores
 from kvjax.lookahead import LookaheadConfig, lookahead_mass
 from kvjax.models.config import ModelConfig
 from kvjax.models.llama import extend
@@ -58,7 +59,8 @@ def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, 
     """The model prefill, shared by every policy. tokens, positions [B,T] (right-padded, -1 = padding).
 
     Returns first-token ids [B], the full cache of `capacity` slots, the `Observations` asked for,
-    and the first-token logits [B,V].
+    and the first-token logits [B,V]. `observe.reconstruction` adds KVzip's repeat-the-context passes
+    (`reconstruct`), which leave the cache unchanged.
     """
     TRACE_COUNTS["prefill"] += 1
     B = tokens.shape[0]
@@ -66,6 +68,9 @@ def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, 
     cache = constrain(KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, capacity, cfg.head_dim, cfg.jnp_dtype), mesh)
     logits, cache, observations = extend(params, cfg, cache, tokens, positions, fresh=True, observe=observe,
                                          logit_index=(lengths - 1)[:, None], rope_mode=rope_mode)
+    if observe.reconstruction is not None:
+        observations = observations.replace(reconstruction=reconstruction_scores(
+            params, cfg, cache, tokens, positions, observe.reconstruction, rope_mode))
     return sampler(logits[:, 0], key), cache, observations, logits[:, 0]
 
 

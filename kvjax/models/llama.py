@@ -104,6 +104,43 @@ def attend_blocked(
 
 
 QUERY_BLOCK = 1024  # prefills longer than this attend in query blocks
+OUTPUT_NORM_BLOCK = 128  # keys per block of the output-norm observation ([B,Hq,block,E] at once)
+
+
+def output_norms(v: jax.Array, wo: jax.Array, real: jax.Array) -> jax.Array:
+    """CriticalKV's per-key output weight: the group mean of ||v_j W_o^h||_1, float32 [B,Hkv,n].
+
+    v [B,Hkv,n,D]; wo [Hq*D,E] (the output projection, rows of query head h at h*D:(h+1)*D);
+    real [B,n] bool (padding keys get 0). Keys go through in blocks, so [B,Hq,block,E] is the
+    largest intermediate.
+    """
+    B, Hkv, n, D = v.shape
+    E = wo.shape[-1]
+    G = wo.shape[0] // (Hkv * D)
+    w = wo.reshape(Hkv, G, D, E)
+    block = min(n, OUTPUT_NORM_BLOCK)
+    nb = -(-n // block)
+    vp = jnp.pad(v, ((0, 0), (0, 0), (0, nb * block - n), (0, 0))).reshape(B, Hkv, nb, block, D)
+
+    def one(vb):  # [B,Hkv,block,D] -> [B,Hkv,block]
+        proj = jnp.einsum("bhcd,hgde->bhgce", vb, w.astype(vb.dtype), preferred_element_type=jnp.float32)
+        return jnp.abs(proj).sum(-1).mean(2)
+
+    out = jax.lax.map(one, vp.transpose(2, 0, 1, 3, 4))  # [nb,B,Hkv,block]
+    out = out.transpose(1, 2, 0, 3).reshape(B, Hkv, nb * block)[:, :, :n]
+    return jnp.where(real[:, None, :], out, 0.0)
+
+
+def query_statistics(q: jax.Array, positions: jax.Array, start: int) -> tuple[jax.Array, jax.Array]:
+    """Mean [B,Hq,D] and biased covariance [B,Hq,D,D] (float32) of the queries q [B,Hq,n,D] at the
+    real positions >= start (positions [B,n], -1 = padding). A row with no such query gets zeros."""
+    sel = ((positions >= start) & (positions >= 0)).astype(jnp.float32)  # [B,n]
+    count = jnp.maximum(sel.sum(-1), 1.0)[:, None, None]
+    qf = q.astype(jnp.float32)
+    mean = jnp.einsum("bhnd,bn->bhd", qf, sel) / count
+    centered = (qf - mean[:, :, None, :]) * sel[:, None, :, None]
+    cov = jnp.einsum("bhnd,bhne->bhde", centered, centered) / count[..., None]
+    return mean, cov
 
 
 def extend(
@@ -250,6 +287,11 @@ def extend(
             obs["column_mass"] = jnp.pad(mass, ((0, 0), (0, 0), (0, C - mass.shape[-1]))) if fresh else mass
         if observe.step_probs and not fresh:
             obs["step_probs"] = probs[:, :, :, -1, :]
+        if observe.output_norms and fresh:
+            norms = output_norms(v, lp["o"], positions >= 0)
+            obs["output_norms"] = jnp.pad(norms, ((0, 0), (0, 0), (0, C - n)))
+        if observe.query_stats >= 0 and fresh:
+            obs["query_mean"], obs["query_cov"] = query_statistics(q_raw, positions, observe.query_stats)
         if observe.query_mass:
             if probs is None:
                 raise ValueError("extend: query_mass is not recorded for blocked prefills (n > QUERY_BLOCK)")
@@ -277,5 +319,7 @@ def extend(
         window_queries=obs.get("window_queries"),
         window_positions=jnp.where(window_pos >= 0, window_pos, -1) if observe.window else None,
         column_mass=obs.get("column_mass"), step_probs=obs.get("step_probs"), query_mass=obs.get("query_mass"),
-        lengths=n_real, attn_scale=scale)
+        lengths=n_real, attn_scale=scale,
+        output_norms=obs.get("output_norms"), query_mean=obs.get("query_mean"), query_cov=obs.get("query_cov"),
+        rope_inv_freq=tuple(float(x) for x in inv_freq) if observe.query_stats >= 0 else None)
     return logits, cache, observations

@@ -17,8 +17,12 @@ from kvjax.policies.allocators import Ada, Pyramid
 from kvjax.policies.base import Policy
 from kvjax.policies.baseline import Random
 from kvjax.policies.cake import CAKE
+from kvjax.policies.critical import CriticalKV
+from kvjax.policies.defensive import DefensiveKV
+from kvjax.policies.expected import ExpectedAttention
 from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
+from kvjax.policies.kvzip import KVzip
 from kvjax.policies.lazy import LazyEviction
 from kvjax.policies.lookahead import LookaheadKV
 from kvjax.policies.snapkv import AdaPyramidKV, AdaSnapKV, PyramidKV, SnapKV
@@ -49,6 +53,22 @@ _PRESETS: dict[str, Policy] = {
     "ada_pyramidkv": AdaPyramidKV(),
     "adakv_snapkv_kvpress": SnapKV(allocator=Ada(alpha=0.2, rule="kvpress"), **_KVPRESS_SNAP),
     "cake": CAKE(),
+    "cake_cascade": CAKE(cascade=True),
+    "expected_attention": ExpectedAttention(),
+    "expected_attention_kvpress": ExpectedAttention(**_KVPRESS),
+    "ada_expected_attention": ExpectedAttention(epsilon=1e-2, allocator=Ada(alpha=0.2)),
+    # kvpress's leaderboard entry `expected_attention`: AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))
+    "ada_expected_attention_kvpress": ExpectedAttention(epsilon=1e-2, allocator=Ada(alpha=0.2, rule="kvpress"),
+                                                        **_KVPRESS),
+    "critical_snapkv": CriticalKV(scorer=SnapKV()),
+    "critical_ada_snapkv": CriticalKV(scorer=AdaSnapKV()),
+    "critical_snapkv_kvpress": CriticalKV(scorer=SnapKV(**_KVPRESS_SNAP), **_KVPRESS),
+    "critical_adakv_snapkv_kvpress": CriticalKV(scorer=SnapKV(allocator=Ada(alpha=0.2, rule="kvpress"),
+                                                              **_KVPRESS_SNAP), **_KVPRESS),
+    "defensivekv": DefensiveKV(),
+    "layer_defensivekv": DefensiveKV(layer_wise=True),
+    "kvzip": KVzip(),
+    "kvzip_kvpress": KVzip(**_KVPRESS),
     "knorm": KNorm(),
     "knorm_kvpress": KNorm(skip_layers=(), **_KVPRESS),
     "lazy_eviction": LazyEviction(),
