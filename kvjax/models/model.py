@@ -12,6 +12,7 @@ import jax
 from kvjax.models.config import SUPPORTED_DTYPES, ModelConfig
 from kvjax.models.gguf import is_gguf, load_gguf
 from kvjax.models.loading import load_params, to_device
+from kvjax.sharding import param_shardings
 from kvjax.tokenizer import load_tokenizer as _load_tokenizer
 
 BUNDLED = "bundled"
@@ -101,8 +102,6 @@ def load_model(
         tok = load_tokenizer(folder) if tokenizer else None
     shardings = None
     if mesh is not None:
-        from kvjax.sharding import param_shardings
-
         shardings = param_shardings(cfg, mesh)
     params = to_device(host, shardings)
     return Model(config=cfg, params=params, tokenizer=tok, path=str(folder), mesh=mesh)
