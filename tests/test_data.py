@@ -1,39 +1,9 @@
-"""kvjax.data: the synthetic task generators sit below eval, training and the tokenizer builder."""
-
-import ast
-import pathlib
+"""kvjax.data: the synthetic task generators (their layering is checked in test_layering.py)."""
 
 import pytest
 
 import kvjax.data as data
 from kvjax.eval import tasks
-
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def imported_modules(package: str) -> set[str]:
-    """Every kvjax module named by an import statement anywhere in ``package``'s files (function bodies too)."""
-    path = ROOT / package.replace(".", "/")
-    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
-    names = set()
-    for f in files:
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.module:
-                names.add(node.module)
-    return {n for n in names if n.startswith("kvjax")}
-
-
-@pytest.mark.parametrize("package, forbidden", [
-    ("kvjax.data", ("kvjax.eval", "kvjax.training", "kvjax.engine", "kvjax.tokenizer")),
-    ("kvjax.tokenizer", ("kvjax.eval", "kvjax.training", "kvjax.engine")),
-    ("kvjax.training.bundled", ("kvjax.eval", "kvjax.engine")),
-])
-def test_imports_stay_below(package, forbidden):
-    bad = [m for m in imported_modules(package) if any(m == f or m.startswith(f + ".") for f in forbidden)]
-    assert not bad, f"{package} imports {bad}"
 
 
 @pytest.fixture(scope="module")
