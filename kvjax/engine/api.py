@@ -118,9 +118,10 @@ def make_plan(policy: Policy, lengths: np.ndarray, cfg: ModelConfig, *, budget: 
     """
     kw = dict(budget=budget, compression_ratio=compression_ratio, max_new_tokens=room, bucket=bucket,
               question_tokens=question_tokens)
-    plan = policy.plan(tuple(int(x) for x in lengths), cfg.num_layers, cfg.num_kv_heads, **kw)
+    # policies act on the global layers only (all layers, but for the sliding-window layers of Gemma)
+    plan = policy.plan(tuple(int(x) for x in lengths), cfg.num_global_layers, cfg.num_kv_heads, **kw)
     try:
-        widest = policy.plan((bucket,), cfg.num_layers, cfg.num_kv_heads, **kw)
+        widest = policy.plan((bucket,), cfg.num_global_layers, cfg.num_kv_heads, **kw)
     except ValueError:  # e.g. a per-row rule the padded length cannot satisfy: keep the exact plan
         return plan
     return plan.replace(capacity=max(plan.capacity, widest.capacity), compact=plan.compact or widest.compact)
@@ -226,7 +227,7 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
             out[b, hit[0] + 1:] = batch.pad_id
         if texts is not None:
             texts.append(model.tokenizer.decode(out[b, : out_lengths[b]].tolist(), skip_special_tokens=True))
-    heads = cfg.num_layers * cfg.num_kv_heads
+    heads = cfg.num_global_layers * cfg.num_kv_heads
     entry_bytes = 2 * cfg.head_dim * np.dtype(cfg.jnp_dtype).itemsize
     kept, kept_min, kept_max, kept_sum, n, kept_final = (np.asarray(x, np.float64) for x in jax.device_get(
         (kept, final.kept_min, final.kept_max, final.kept_sum, final.active_steps, _entries(final.cache))))
