@@ -122,10 +122,10 @@ class ModelConfig:
         if family is None:
             model_type = hf.get("model_type")
             by_type = {**{v: v for v in SUPPORTED_ARCHITECTURES.values()}, **_MODEL_TYPES}
+            if not archs and model_type == "gemma3":  # HF's model_type of the text-only Gemma 3 is gemma3_text
+                raise ValueError(f"unsupported model_type 'gemma3': {_UNSUPPORTED_GEMMA['Gemma3ForConditionalGeneration']}")
             if not archs and model_type in by_type:
                 family = by_type[model_type]
-            elif not archs and model_type == "gemma3":
-                raise ValueError(f"unsupported model_type 'gemma3': {_UNSUPPORTED_GEMMA['Gemma3ForConditionalGeneration']}")
             else:
                 raise ValueError(
                     f"unsupported architecture {archs or model_type!r}: kvjax supports "

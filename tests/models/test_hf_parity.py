@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import kvjax
-from kvjax.cache import KVCache
 from kvjax.models import extend
+from kvjax.models.local import init_cache
 
 from tiny_models import FAMILIES
 
@@ -24,7 +24,7 @@ def _ours_prefill_then_decode(model, prompts, continuation):
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p
         positions[b, : len(p)] = np.arange(len(p))
-    cache = KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, T + n, cfg.head_dim, cfg.jnp_dtype)
+    cache = init_cache(cfg, B, T + n)
     logits, cache, _ = extend(model.params, cfg, cache, jnp.asarray(tokens), jnp.asarray(positions), fresh=True)
     steps = []
     lengths = np.array([len(p) for p in prompts])
