@@ -84,7 +84,8 @@ class GenerateOutput:
     """tokens [B, max_new_tokens] int32 (padded with `pad_id` after a stop token);
     lengths [B]: generated tokens per row, the stop token included; texts: decoded answers
     (None without a tokenizer); prompt_lengths [B]; cache_bytes: allocated bytes of the decode cache;
-    kept [B]: KV entries kept per (layer, head) after prefill compression, averaged over layers and heads;
+    kept [B]: KV entries kept per (layer, head) after prefill compression, averaged over layers and heads
+      (layers: those a policy acts on, i.e. Gemma's global layers; its sliding-window buffers are not counted);
     kept_final [B]: the same at the end of decoding (decode-time policies evict as they go);
     kept_peak / kept_mean [B]: the most and the mean entries per (layer, head) the cache held while
       the row decoded (after the question, and after each generated token's step);

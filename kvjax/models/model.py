@@ -18,7 +18,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
-    """A Llama-family model ready for `kvjax.generate`.
+    """A Llama-family (or Gemma 2 / 3) model ready for `kvjax.generate`.
 
     config: static hyperparameters; params: the weights pytree (see kvjax.models.llama);
     tokenizer: a transformers tokenizer when the checkpoint folder has one, else None (token ids only);
@@ -73,7 +73,7 @@ def load_model(
     cache_dir: str | None = None,
     tokenizer: bool = True,
 ) -> Model:
-    """Loads a Llama/Mistral/Qwen2/Qwen3 checkpoint from a local folder or a Hub id.
+    """Loads a Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 (text) checkpoint from a local folder or a Hub id.
 
     dtype: "float32" or "bfloat16" (default: the checkpoint's torch_dtype).
     mesh: a ("data", "model") mesh from `kvjax.make_mesh`; params are sharded by logical-axis rules.
