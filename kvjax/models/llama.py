@@ -180,12 +180,34 @@ def extend(
     if has_local:
         local_cos, local_sin = rope_tables(jnp.maximum(positions, 0), local_inverse_frequencies(cfg), dtype)
 
-    def global_attention(q, k, v, ck, cv, cpos, cvalid, l, s):
-        """Attention of a global layer over its cache `l` (written first): out [B,Hq,n,D], its
-        observations, and the updated cache arrays."""
-        q_raw, k_raw = q, k
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_stored = k_raw if relative else k
+    def global_write(k_stored, v, ck, cv, cpos, cvalid, l, s, enabled=None):
+        """Writes the new keys/values of a global layer into its cache `l` (slots 0..n-1 for a prefill,
+        `s` otherwise). enabled (traced bool, models with local layers): False drops the write."""
+        new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
+        if ck is None:
+            return ck, cv, cpos, cvalid
+        if fresh and enabled is None:
+            ck = jax.lax.dynamic_update_slice(ck, k_stored[None].astype(ck.dtype), (l, 0, 0, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (l, 0, 0, 0, 0))
+            cpos = jax.lax.dynamic_update_slice(cpos, new_pos[None], (l, 0, 0, 0))
+            cvalid = jax.lax.dynamic_update_slice(cvalid, (new_pos >= 0)[None], (l, 0, 0, 0))
+            return ck, cv, cpos, cvalid
+        if fresh:
+            s = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, Hkv, n))
+        mode = None
+        if enabled is not None:  # an out-of-range slot drops the write
+            s, mode = jnp.where(enabled, s, ck.shape[3]), "drop"
+        bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(Hkv), indexing="ij")
+        idx = (l, bi[..., None], hi[..., None], s)
+        ck = ck.at[idx].set(k_stored.astype(ck.dtype), mode=mode)
+        cv = cv.at[idx].set(v.astype(cv.dtype), mode=mode)
+        cpos = cpos.at[idx].set(new_pos, mode=mode)
+        cvalid = cvalid.at[idx].set(new_pos >= 0, mode=mode)
+        return ck, cv, cpos, cvalid
+
+    def global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s):
+        """Attention of a global layer (its new keys already written into its cache `l`):
+        out [B,Hq,n,D] and its observations. q, k rotated; q_raw un-rotated."""
         new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
         if fresh and ck is None and not observe_any and cap is None:
             # no cache and no observations (training): padding is on the right, so a real query sees
@@ -194,11 +216,6 @@ def extend(
                                                v.transpose(0, 2, 1, 3), scale=scale, is_causal=True)
             out, probs = out.transpose(0, 2, 1, 3), None
         elif fresh:
-            if ck is not None:
-                ck = jax.lax.dynamic_update_slice(ck, k_stored[None].astype(ck.dtype), (l, 0, 0, 0, 0))
-                cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (l, 0, 0, 0, 0))
-                cpos = jax.lax.dynamic_update_slice(cpos, new_pos[None], (l, 0, 0, 0))
-                cvalid = jax.lax.dynamic_update_slice(cvalid, (new_pos >= 0)[None], (l, 0, 0, 0))
             if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
                 # on TPU/GPU the column mass comes from the two-pass kernel; in XLA (or with soft-capped
                 # logits, which the kernel does not apply), from the blocks' probs
@@ -210,12 +227,6 @@ def extend(
             else:
                 out, probs = attend(q, k, v, positions, new_pos, scale, softcap=cap)
         else:
-            bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(Hkv), indexing="ij")
-            idx = (l, bi[..., None], hi[..., None], s)
-            ck = ck.at[idx].set(k_stored.astype(ck.dtype))
-            cv = cv.at[idx].set(v.astype(cv.dtype))
-            cpos = cpos.at[idx].set(new_pos)
-            cvalid = cvalid.at[idx].set(new_pos >= 0)
             keys = ck[l]
             if relative:
                 ranks = slot_ranks(cvalid[l], cpos[l])  # [B, Hkv, C]
@@ -240,28 +251,22 @@ def extend(
             obs["column_mass"] = jnp.pad(mass, ((0, 0), (0, 0), (0, C - mass.shape[-1]))) if fresh else mass
         if observe.step_probs and not fresh:
             obs["step_probs"] = probs[:, :, :, -1, :]
-        return out, obs, (ck, cv, cpos, cvalid)
+        return out, obs
 
     def local_attention(q, k, v, local, li):
-        """Attention of a sliding-window layer over its rolling buffer `li` (if any) and the new keys,
-        then the buffer update: out [B,Hq,n,D] and the updated buffers."""
-        q, k = apply_rope(q, local_cos, local_sin), apply_rope(k, local_cos, local_sin)
-        new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
-        keys, vals, k_pos = k, v, new_pos
-        if local is not None and not fresh:  # the buffer holds earlier positions only: attend, then write
+        """Attention of a sliding-window layer over its rolling buffer `li` (not yet written: it holds
+        earlier positions only) and the new keys: out [B,Hq,n,D]. q, k rotated with the local RoPE."""
+        keys, vals = k, v
+        k_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
+        if local is not None and not fresh:
             bk, bv, bpos, bvalid = (x[li] for x in local)
             keys = jnp.concatenate([bk, k.astype(bk.dtype)], axis=2)
             vals = jnp.concatenate([bv, v.astype(bv.dtype)], axis=2)
-            k_pos = jnp.concatenate([jnp.where(bvalid, bpos, -1), new_pos], axis=2)
+            k_pos = jnp.concatenate([jnp.where(bvalid, bpos, -1), k_pos], axis=2)
         W = cfg.sliding_window
         if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
-            out, _ = attend_blocked(q, keys, vals, positions, k_pos, scale, QUERY_BLOCK, window=W, softcap=cap)
-        else:
-            out, _ = attend(q, keys, vals, positions, k_pos, scale, window=W, softcap=cap)
-        if local is not None:
-            written = rolling_write(tuple(x[li] for x in local), k, v, positions)
-            local = tuple(x.at[li].set(w) for x, w in zip(local, written))
-        return out, local
+            return attend_blocked(q, keys, vals, positions, k_pos, scale, QUERY_BLOCK, window=W, softcap=cap)[0]
+        return attend(q, keys, vals, positions, k_pos, scale, window=W, softcap=cap)[0]
 
     def layer(carry, xs):
         h, ck, cv, cpos, cvalid, local = carry
@@ -274,19 +279,30 @@ def extend(
             q = norm(q, lp["q_norm"], eps)
             k = norm(k, lp["k_norm"], eps)
         s = xs.get("slots")
+        q_raw, k_raw = q, k
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_stored = k_raw if relative else k
         if has_local:
-            def run_global(local):
-                out, obs, arrays = global_attention(q, k, v, ck, cv, cpos, cvalid, l, s)
-                return out, obs, arrays, local
+            # Caches are written outside the `lax.cond` (the other kind's write is dropped), so that no
+            # cache buffer passes through a branch; the branches only read them.
+            local_layer = xs["is_local"]
+            ck, cv, cpos, cvalid = global_write(k_stored, v, ck, cv, cpos, cvalid, l, s, enabled=~local_layer)
+            q_loc, k_loc = apply_rope(q_raw, local_cos, local_sin), apply_rope(k_raw, local_cos, local_sin)
 
-            def run_local(local):  # no observations: zeros shaped as a global layer's (dropped below)
-                shapes = jax.eval_shape(run_global, local)[1]
-                out, local = local_attention(q, k, v, local, l)
-                return out, jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes), (ck, cv, cpos, cvalid), local
+            def run_global():
+                return global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s)
 
-            out, obs, (ck, cv, cpos, cvalid), local = jax.lax.cond(xs["is_local"], run_local, run_global, local)
+            def run_local():  # no observations: zeros shaped as a global layer's (dropped after the scan)
+                shapes = jax.eval_shape(run_global)[1]
+                zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+                return local_attention(q_loc, k_loc, v, local, l), zeros
+
+            out, obs = jax.lax.cond(local_layer, run_local, run_global)
+            if local is not None:
+                local = rolling_write(local, l, k_loc, v, jnp.where(local_layer, positions, -1))
         else:
-            out, obs, (ck, cv, cpos, cvalid) = global_attention(q, k, v, ck, cv, cpos, cvalid, l, s)
+            ck, cv, cpos, cvalid = global_write(k_stored, v, ck, cv, cpos, cvalid, l, s)
+            out, obs = global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s)
         attn = out.transpose(0, 2, 1, 3).reshape(B, n, Hq * D)
         attn = _linear(attn, lp["o"], lp.get("o_bias"))
         h = h + (norm(attn, lp["post_attn_norm"], eps) if cfg.gemma else attn)
