@@ -230,3 +230,10 @@ def test_unsupported_gemma_variants_are_refused(gemma_models):
     plain = KVCache.init(cfg.num_layers, 1, cfg.num_kv_heads, 16, cfg.head_dim, cfg.jnp_dtype)
     with pytest.raises(ValueError, match="init_cache"):
         extend(model.params, cfg, plain, jnp.ones((1, 4), jnp.int32), jnp.arange(4)[None], fresh=True)
+
+
+def test_export_refuses_gemma(gemma_models):
+    from kvjax.models.export import hf_config
+
+    with pytest.raises(ValueError, match="family='gemma2'.*accepted values"):
+        hf_config(kvjax.load_model(gemma_models["gemma2"][1]).config)
