@@ -237,3 +237,21 @@ def test_export_refuses_gemma(gemma_models):
 
     with pytest.raises(ValueError, match="family='gemma2'.*accepted values"):
         hf_config(kvjax.load_model(gemma_models["gemma2"][1]).config)
+
+
+@pytest.mark.slow
+def test_every_policy_runs_on_gemma(gemma_models):
+    """Every registered policy on the irregular Gemma 3 layer pattern, in one shared prefill: each runs
+    (or is refused for these prompt lengths as on any model), and the uniform ones keep kvpress's
+    int(T * 0.5) entries per head on the global layers."""
+    model = kvjax.load_model(gemma_models["gemma3"][1])
+    prompts = [RNG.randint(3, model.config.vocab_size, n).tolist() for n in (100, 90)]
+    settings = [engine.Setting(name, compression_ratio=0.5) for name in kvjax.policies.available()]
+    outs = engine.generate_settings(model, prompts, settings, max_new_tokens=6, stop_tokens=[], on_error="return")
+    for st, out in zip(settings, outs):
+        if isinstance(out, ValueError):
+            assert st.policy == "lazy_eviction" and "window" in str(out), (st.policy, out)
+            continue
+        assert out.tokens.shape == (2, 6) and np.all(out.kept <= [100, 90]), st.policy
+        if st.policy in ("snapkv", "pyramidkv", "h2o", "tova", "snapkv_kvpress", "streaming_llm_kvpress"):
+            np.testing.assert_array_equal(out.kept, [50, 45], err_msg=st.policy)
