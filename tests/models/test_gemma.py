@@ -255,3 +255,19 @@ def test_every_policy_runs_on_gemma(gemma_models):
         assert out.tokens.shape == (2, 6) and np.all(out.kept <= [100, 90]), st.policy
         if st.policy in ("snapkv", "pyramidkv", "h2o", "tova", "snapkv_kvpress", "streaming_llm_kvpress"):
             np.testing.assert_array_equal(out.kept, [50, 45], err_msg=st.policy)
+
+
+@pytest.mark.slow
+def test_sharded_gemma_equals_single_device(gemma_models):
+    """Batch over `data`, KV heads over `model`, the rolling buffers included; snapkv compresses alike."""
+    import jax
+
+    _, folder = gemma_models["gemma3"]
+    prompts = [RNG.randint(3, 101, n).tolist() for n in (100, 70)]
+    kw = dict(max_new_tokens=8, stop_tokens=[], policy="snapkv", compression_ratio=0.5)
+    single = kvjax.generate(kvjax.load_model(folder), prompts, **kw)
+    sharded_model = kvjax.load_model(folder, mesh=kvjax.make_mesh(data=2, model=2, devices=jax.devices()[:4]))
+    assert sharded_model.params["layers"]["post_attn_norm"].sharding.spec[0] is None
+    sharded = kvjax.generate(sharded_model, prompts, **kw)
+    np.testing.assert_array_equal(sharded.tokens, single.tokens)
+    np.testing.assert_array_equal(sharded.kept, single.kept)
