@@ -147,7 +147,7 @@ def extend(
     have distinct positions (contiguous, as the engine feeds them).
     """
     B, n = tokens.shape
-    L, Hq, Hkv, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = cfg.jnp_dtype
     eps = cfg.rms_norm_eps
     scale = cfg.attn_scale

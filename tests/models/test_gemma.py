@@ -4,17 +4,15 @@ layers' rolling buffers (window 8, so that every prompt here rolls them)."""
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 from test_hf_parity import _check_family, _extend, _hf_greedy_batch, _hf_logits
+from tiny_models import GEMMA_FAMILIES, build_hf
 
 import kvjax
 from kvjax import engine
 from kvjax.cache import KVCache
 from kvjax.models import ModelConfig, extend, llama
 from kvjax.models.local import init_cache
-
-from tiny_models import GEMMA_FAMILIES, build_hf
 
 RNG = np.random.RandomState(1)
 W = 8  # the tiny models' sliding_window
