@@ -4,7 +4,7 @@ from kvjax.cache import KVCache
 from kvjax.engine import GenerateOutput, generate
 from kvjax.models import Model, ModelConfig, load_model
 from kvjax.sharding import make_mesh
-from kvjax import policies
+from kvjax import lookahead, policies
 
-__all__ = ["GenerateOutput", "KVCache", "Model", "ModelConfig", "generate", "load_model", "make_mesh", "policies"]
+__all__ = ["GenerateOutput", "KVCache", "Model", "ModelConfig", "generate", "load_model", "lookahead", "make_mesh", "policies"]
 __version__ = "0.1.0"

@@ -43,3 +43,27 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+class StateAndJsonCheckpointer(Checkpointer):
+    """A `Checkpointer` whose steps also hold a JSON item (e.g. a grain iterator's `get_state()`),
+    saved and restored atomically with the state pytree."""
+
+    def save(self, step: int, state: Any, json_item: dict | None = None, *, force: bool = False) -> bool:
+        args = ocp.args.Composite(state=ocp.args.StandardSave(state), json=ocp.args.JsonSave(json_item or {}))
+        return self.manager.save(step, args=args, force=force)
+
+    def restore(self, state_like: Any, step: int | None = None) -> tuple[Any, dict]:
+        """(state, json item) of `step` (default latest); the state takes the structure, shapes, dtypes
+        and shardings of `state_like`."""
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state_like)
+        try:
+            out = self.manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                                                     json=ocp.args.JsonRestore()))
+        except Exception as e:
+            raise ValueError(f"checkpoint step {step} in {self.directory} could not be restored (corrupt or "
+                             f"from another model or config): {e}") from None
+        return out["state"], out["json"]

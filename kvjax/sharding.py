@@ -6,6 +6,7 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from kvjax.models.config import ModelConfig
+from kvjax.models.loading import param_shapes
 
 # logical axis -> mesh axis
 RULES = {"batch": "data", "kv_heads": "model", "heads": "model", "mlp": "model", "vocab": "model"}
@@ -65,8 +66,6 @@ def logical_sharding(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh:
 
 
 def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
-    from kvjax.models.loading import param_shapes
-
     shapes = param_shapes(cfg)
     units = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
     out = {

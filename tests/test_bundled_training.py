@@ -297,3 +297,55 @@ def test_vt_rows_with_more_chains_ask_each_one(tokenizer):
         assert ids[targets[0] - 1] == tokenizer.encode(" ", add_special_tokens=False)[0]  # the prefix's trailing space
         asked += len(replies) - 1
     assert asked >= 6
+
+
+@pytest.mark.parametrize("name", ["bundled_model", "bundled_model_long", "bundled_model_3", "bundled_model_4"])
+def test_configs_parse_into_typed_fields(name):
+    """Each shipped config reads as attributes equal to its YAML values (defaults where a key is absent)."""
+    import pathlib
+
+    import yaml
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "configs" / f"{name}.yaml"
+    raw = yaml.safe_load(path.read_text())
+    conf = bundled.load_config(path)
+    d, r = conf.data, raw["data"]
+    assert (d.suite, list(d.lengths), d.batch_size, d.seed) == (r["suite"], r["lengths"], r["batch_size"], r["seed"])
+    assert [[c.until, list(c.lengths), c.batch_size] for c in d.curriculum] == [
+        [c[0], c[1], c[2] if len(c) > 2 else r["batch_size"]] for c in r.get("curriculum", [])]
+    assert d.recall.share == r.get("recall", {}).get("share", 0) and d.vt_chains == r.get("vt_chains", 0)
+    assert d.more_recall.fraction == r.get("more_recall", {}).get("fraction", 0)
+    assert d.drill_order == r.get("drill_order", "query") and d.task_weights == r.get("task_weights", {})
+    assert conf.optim.steps == raw["optim"]["steps"] and conf.optim.learning_rate == raw["optim"]["learning_rate"]
+    assert conf.train.context_weight == raw["train"]["context_weight"] and conf.model.num_kv_heads == 2
+    longer = conf.with_steps(7)
+    assert longer.optim.steps == 7 and longer.raw["optim"]["steps"] == 7 and conf.raw["optim"]["steps"] != 7
+
+
+def test_config_errors_name_the_key_and_the_accepted_ones(tmp_path):
+    import yaml
+
+    good = {"model": {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2,
+                      "num_kv_heads": 1, "head_dim": 16, "max_position_embeddings": 512, "rope_theta": 1e4,
+                      "tie_embeddings": True},
+            "data": dict(DATA), "optim": {"steps": 2}, "train": {"checkpoint_every": 1, "log_every": 1}}
+    bundled.BundledConfig.from_dict(good)
+    cases = [({**good, "trian": {}}, r"unknown key\(s\) \['trian'\] in the config; accepted keys: \['data'"),
+             ({**good, "data": {**DATA, "copy_fractoin": 0.3}}, r"\['copy_fractoin'\] in data; accepted keys: .*copy_fraction"),
+             ({**good, "data": {**DATA, "recall": {"shares": 1}}}, r"\['shares'\] in data\.recall; accepted keys: .*share"),
+             ({**good, "optim": {"steps": 2, "lr": 1e-3}}, r"\['lr'\] in optim; accepted keys: .*learning_rate"),
+             ({**good, "train": {"log_every": 1}}, r"missing key\(s\) \['checkpoint_every'\] in train")]
+    for conf, match in cases:
+        with pytest.raises(ValueError, match=match):
+            bundled.BundledConfig.from_dict(conf)
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(cases[1][0]))
+    with pytest.raises(ValueError, match=f"{path}: unknown key"):
+        bundled.load_config(path)
+
+
+def test_batches_from_a_data_config_equal_those_from_its_mapping(tokenizer, batches):
+    typed = bundled.TaskBatches(bundled.DataConfig.from_dict(DATA), tokenizer)
+    for step in (0, 4):
+        a, b = typed(step), batches(step)
+        assert a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)

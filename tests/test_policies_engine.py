@@ -1,10 +1,11 @@
 """Policies end to end through `kvjax.generate`: every preset, every model family, cache bytes."""
 
+import jax
 import numpy as np
 import pytest
 
 import kvjax
-from kvjax import policies
+from kvjax import lookahead, policies
 from kvjax.cache import KVCache
 from kvjax.engine import STEP_BUCKETS, TRACE_COUNTS, bucket_length
 from tiny_models import FAMILIES, build_hf
@@ -25,7 +26,12 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
-def _policy(name):
+def _policy(name, model=None):
+    if name == "lookahead_kv":  # no bundled adapter yet: a fresh one for this model, its LoRA B random
+        a = lookahead.init_adapter(model, lookahead.LookaheadConfig(n_tokens=8), jax.random.PRNGKey(0))
+        lora = {p: {"a": f["a"], "b": 0.1 * jax.random.normal(jax.random.PRNGKey(i), f["b"].shape)}
+                for i, (p, f) in enumerate(a.params["lora"].items())}
+        return policies.get(name, adapter=a.replace(params={**a.params, "lora": lora}))
     return policies.get(name, **OVERRIDES.get(name, {}))
 
 
@@ -41,14 +47,15 @@ def _prompts(vocab, lengths=(90, 120, 71)):
 def _check_generation(model, name, prompts):
     """Runs a preset at ratio 0.5 and with a budget above everything, which must change nothing."""
     full = kvjax.generate(model, prompts, max_new_tokens=MAX_NEW, stop_tokens=[])
-    out = kvjax.generate(model, prompts, policy=_policy(name), compression_ratio=0.5, max_new_tokens=MAX_NEW,
-                         stop_tokens=[])
+    out = kvjax.generate(model, prompts, policy=_policy(name, model), compression_ratio=0.5,
+                         max_new_tokens=MAX_NEW, stop_tokens=[])
     assert out.tokens.shape == full.tokens.shape
     assert ((out.tokens >= 0) & (out.tokens < model.config.vocab_size)).all()
     # something was evicted: at prefill, or during decoding for decode-time policies
     assert (out.kept < out.prompt_lengths).all() or (out.kept_final < out.prompt_lengths + MAX_NEW).all()
     huge = max(map(len, prompts)) + MAX_NEW + 16
-    same = kvjax.generate(model, prompts, policy=_policy(name), budget=huge, max_new_tokens=MAX_NEW, stop_tokens=[])
+    same = kvjax.generate(model, prompts, policy=_policy(name, model), budget=huge, max_new_tokens=MAX_NEW,
+                          stop_tokens=[])
     np.testing.assert_array_equal(same.tokens, full.tokens)
     np.testing.assert_allclose(same.kept, same.prompt_lengths)
 

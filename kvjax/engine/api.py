@@ -8,6 +8,7 @@ feed and the jitted decode loop (`steps`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,10 +29,12 @@ from kvjax.engine.inputs import (
     prepare,
     put_batch,
 )
+from kvjax.lookahead import check_positions as check_lookahead_positions
 from kvjax.models.config import ModelConfig
 from kvjax.models.model import Model
 from kvjax.policies import Plan, Policy, resolve
-from kvjax.policies.base import row_budgets
+from kvjax.policies.base import check_budget, row_budgets
+from kvjax.policies.registry import canonical_name, name_of
 from kvjax.sampling import Sampler
 
 
@@ -51,22 +54,20 @@ class Setting:
                 raise ValueError("the full-cache setting (policy=None) takes no compression_ratio or budget: "
                                  "budget / compression_ratio need a policy (policy=None keeps the full cache)")
             return
-        if (self.compression_ratio is None) == (self.budget is None):
-            raise ValueError(f"policy {self.policy_name!r} needs exactly one of budget= (entries kept per KV head, "
-                             "an int >= 1) or compression_ratio= (fraction removed, 0 <= r < 1)")
-        r = self.compression_ratio
-        if r is not None and (isinstance(r, bool) or not isinstance(r, (int, float)) or not 0.0 <= r < 1.0):
-            raise ValueError(f"compression_ratio must be in [0, 1), got {r!r}")
-        if self.budget is not None and (isinstance(self.budget, bool) or not isinstance(self.budget, (int, np.integer))
-                                        or self.budget <= 0):
-            raise ValueError(f"budget must be a positive int, got {self.budget!r}")
+        check_budget(self.budget, self.compression_ratio, self.policy_name)
 
-    @property
+    @functools.cached_property
     def policy_name(self) -> str:
-        """"full", the preset name, or a policy object's `name`."""
+        """"full", the canonical preset name of a registered name in any accepted spelling (an
+        unregistered string as given: it is refused when run), or `registry.name_of(policy)`."""
         if self.policy is None:
             return "full"
-        return self.policy if isinstance(self.policy, str) else self.policy.name
+        if isinstance(self.policy, str):
+            try:
+                return canonical_name(self.policy)
+            except ValueError:
+                return self.policy
+        return name_of(self.policy)
 
     @property
     def label(self) -> str:
@@ -154,14 +155,29 @@ def _plan_runs(model: Model, settings: Sequence[Setting], lengths: np.ndarray, *
             plan = make_plan(policy, lengths, model.config, budget=st.budget, compression_ratio=st.compression_ratio,
                              bucket=bucket, room=room, question_tokens=question_tokens)
         except ValueError as err:
-            what = f"budget={st.budget}" if st.budget is not None else f"compression_ratio={st.compression_ratio:g}"
-            err = ValueError(f"policy {st.policy_name!r} at {what}: {err}")
+            err = _plan_error(policy, st, lengths, model.config, err, bucket=bucket, room=room,
+                              question_tokens=question_tokens)
             if on_error == "raise":
                 raise err from None
             runs.append(err)
             continue
         runs.append(_Run(st, policy, plan))
     return runs
+
+
+def _plan_error(policy: Policy, st: Setting, lengths: np.ndarray, cfg: ModelConfig, err: ValueError, **kw: int
+                ) -> ValueError:
+    """The policy's refusal of a batch, naming the policy, the ratio or budget, and the first row
+    that it refuses on its own (its index and length)."""
+    what = f"budget={st.budget}" if st.budget is not None else f"compression_ratio={st.compression_ratio:g}"
+    where = ""
+    for b, t in enumerate(lengths):
+        try:
+            make_plan(policy, np.asarray([t]), cfg, budget=st.budget, compression_ratio=st.compression_ratio, **kw)
+        except ValueError:
+            where = f"row {b} ({int(t)} prompt tokens): "
+            break
+    return ValueError(f"policy {st.policy_name!r} at {what}: {where}{err}")
 
 
 def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array, positions: jax.Array,
@@ -179,11 +195,20 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
                                                       mesh=model.mesh)
         prefilled[mode] = first, cache, observations
     out = []
+    looked: dict[int, jax.Array] = {}  # one lookahead pass per adapter
     for r in runs:
         if not isinstance(r, _Run):
             out.append(None)
             continue
         first, cache, observations = prefilled[steps.rope_mode(r.policy)]
+        if r.policy is not None and r.policy.requirements().observe.lookahead:
+            adapter = r.policy.lookahead_adapter()
+            if id(adapter) not in looked:
+                adapter.check_model(model.config)
+                check_lookahead_positions(model.config, int(jnp.max(jnp.sum(positions >= 0, axis=-1))), adapter.config)
+                looked[id(adapter)] = steps.lookahead(model.params, cache, positions, adapter.params,
+                                                      cfg=model.config, config=adapter.config)
+            observations = observations.replace(query_mass=looked[id(adapter)])
         if r.policy is None:
             out.append((first, steps.grow(cache, capacity=capacity, mesh=model.mesh), None))
         else:

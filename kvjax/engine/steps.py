@@ -1,4 +1,9 @@
-"""The engine's jitted programs: model prefill, policy compression, chunk feed and the decode loop.
+"""The engine's jitted programs: model prefill, LookaheadKV's lookahead pass, policy compression,
+chunk feed and the decode loop.
+
+The lookahead pass runs only for policies whose requirements ask for `ObservationSpec(lookahead=True)`:
+after the shared prompt prefill, the policy's adapter tokens attend to the prompt cache (never
+written into it) and their attention mass becomes the run's `query_mass` observation.
 
 Each program compiles once per static configuration (bucket, batch size, observation spec,
 policy, capacity, decode-step bucket) and is reused by later calls; `TRACE_COUNTS` counts the
@@ -16,6 +21,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import KVCache
+from kvjax.engine.reconstruct import reconstruction_scores
+from kvjax.lookahead import LookaheadConfig, lookahead_mass
 from kvjax.models.config import ModelConfig
 from kvjax.models.llama import extend
 from kvjax.models.local import init_cache
@@ -39,7 +46,7 @@ def prefill_spec(policies: list[Policy | None]) -> ObservationSpec:
     """What one model prefill shared by `policies` must record: the union of their prefill-time
     needs (step probabilities are a decode-time observation)."""
     spec = ObservationSpec.union(p.requirements().observe for p in policies if p is not None)
-    return dataclasses.replace(spec, step_probs=False)
+    return dataclasses.replace(spec, step_probs=False, lookahead=False)  # the lookahead pass is its own step
 
 
 def rope_mode(policy: Policy | None) -> str:
@@ -54,7 +61,8 @@ def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, 
 
     Returns first-token ids [B], the full cache of `capacity` slots (global layers; the rolling
     buffers of sliding-window layers in `cache.local`), the `Observations` asked for, and the
-    first-token logits [B,V].
+    first-token logits [B,V]. `observe.reconstruction` adds KVzip's repeat-the-context passes
+    (`reconstruct`), which leave the cache unchanged.
     """
     TRACE_COUNTS["prefill"] += 1
     B = tokens.shape[0]
@@ -62,7 +70,22 @@ def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, 
     cache = constrain(init_cache(cfg, B, capacity), mesh)
     logits, cache, observations = extend(params, cfg, cache, tokens, positions, fresh=True, observe=observe,
                                          logit_index=(lengths - 1)[:, None], rope_mode=rope_mode)
+    if observe.reconstruction is not None:
+        observations = observations.replace(reconstruction=reconstruction_scores(
+            params, cfg, cache, tokens, positions, observe.reconstruction, rope_mode))
     return sampler(logits[:, 0], key), cache, observations, logits[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "config"))
+def lookahead(params, cache: KVCache, positions: jax.Array, adapter_params, *, cfg: ModelConfig,
+              config: LookaheadConfig) -> jax.Array:
+    """LookaheadKV's pass after the prompt prefill: the adapter's n learned tokens (LoRA on their rows)
+    at positions T_b .. T_b+n-1 attend to the prompt `cache` and to each other, and are not stored.
+    positions [B,T] are the prompt's. Returns their attention mass per query head over the cache
+    slots [L,B,Hq,C] float32 (the `query_mass` observation of a `lookahead` spec)."""
+    TRACE_COUNTS["lookahead"] += 1
+    lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
+    return lookahead_mass(params, cfg, adapter_params, config, cache, lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "capacity", "mesh"))

@@ -5,9 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import shlex
 import sys
+import textwrap
 import warnings
 from typing import Any
+
+from kvjax.eval.report import SCORE_NOTE, write_reports
+from kvjax.policies.base import check_budget
+from kvjax.policies.registry import canonical_name, close_match
 
 DEFAULTS: dict[str, Any] = {
     "model": "bundled",
@@ -28,10 +34,11 @@ DEFAULTS: dict[str, Any] = {
     "niah_depths": None,
     "niah_haystack": "essay",
     "fidelity_tokens": 32,
+    "lookahead": None,
 }
 # Settings that change what a sample or its answer is: a rerun into the same folder must keep them.
 RUN_IDENTITY = ("model", "context_length", "seed", "query_aware", "max_new_tokens", "data", "words",
-                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens")
+                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens", "lookahead")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 EPILOG = """\
@@ -46,15 +53,24 @@ data files (--data NAME=PATH, repeatable):
   JSON, qa_1), hotpotqa (HotpotQA dev-distractor JSON, qa_2), longbench (folder of {task}.jsonl),
   gsm8k / math500 / aime24 / aime25 (JSONL), fidelity (text), fidelity_ids (.npy/.json ids).
 outputs (in --out):
-  results.jsonl (one line per task, policy, ratio/budget, sample), results.md, results.csv,
-  metrics.json, score_vs_compression.png, niah_heatmaps/, run_config.json. A rerun with the same
+  results.jsonl (one line per task, policy, ratio/budget, sample; its stats hold the cache the
+  answer used: kept_mean, kept_peak, kv_bytes_mean, kv_bytes_peak, budget, budget_reached),
+  results.md, results.csv, metrics.json, score_vs_compression.png, niah_heatmaps/,
+  run_config.json. A rerun with the same
   --out resumes: finished entries are not recomputed; the model, context length, seed and the
   other sample-defining options must match the folder's run_config.json.
 config files:
   --config PATH or NAME (configs/eval_NAME.yaml): YAML with the option names as keys
   (underscores); options given on the command line win. configs/eval_default.yaml holds the
   defaults used when no config is given.
+policies:
+  preset names in any spelling kvjax.policies accepts (snapkv, SnapKV, snap_kv; SnapKVPress means
+  the kvpress preset snapkv_kvpress); results are recorded under the preset's name.
+interrupting:
+  Ctrl-C stops a run (exit status 130) and prints the command that resumes it.
 """
+EPILOG += "scores (the table, results.md):\n" + "\n".join(
+    textwrap.fill(line, 98, initial_indent="  ", subsequent_indent="  ") for line in SCORE_NOTE) + "\n"
 
 
 def _csv(values: list[str] | None) -> list[str] | None:
@@ -84,9 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                     "full cache, on long-context tasks; write per-sample results, a summary table and a plot.")
     a = p.add_argument
     a("--config", help="YAML config file, or a name in configs/ (eval_NAME.yaml)")
-    a("--model", help="'bundled' (the small model shipped in kvjax), a local folder, or a Hub id (default: bundled)")
+    a("--model", help="'bundled' (the small model shipped in kvjax), a local folder, a .gguf file, or a Hub id "
+                     "(default: bundled)")
     a("--tasks", nargs="+", metavar="TASK", help="task or suite names, space or comma separated (default: default)")
-    a("--policies", nargs="+", metavar="POLICY", help="policy names, 'all' (default: all registered policies), or 'none' (the full cache only)")
+    a("--policies", nargs="+", metavar="POLICY",
+      help="preset names in any spelling (snapkv, SnapKV, SnapKVPress), 'all' (default: every registered "
+           "preset), or 'none' (the full cache only)")
     a("--compression-ratios", nargs="+", metavar="R",
       help="fractions of the prompt's KV entries removed, in [0, 1) (default: 0.25 0.5 0.75 0.875)")
     a("--budgets", nargs="+", metavar="C", help="absolute budgets, entries kept per KV head (replaces the default "
@@ -109,6 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--niah-haystack", choices=["essay", "noise"], help="needle-grid haystack (default: essay = --data essay or "
                                                            "built-in prose)")
     a("--fidelity-tokens", type=int, help="continuation tokens scored by the fidelity task (default: 32)")
+    a("--lookahead", metavar="PATH", help="LookaheadKV adapter folder for lookahead_kv (default: the bundled model's, "
+                                          "kvjax/assets/lookahead; without one, 'all' leaves lookahead_kv out)")
     a("--list", action="store_true", help="list tasks, suites and policies, then exit")
     a("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -171,7 +192,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens, "words": args.words,
         "niah_lengths": _ints(args.niah_lengths, "--niah-lengths", parser),
         "niah_depths": _floats(args.niah_depths, "--niah-depths", parser),
-        "niah_haystack": args.niah_haystack, "fidelity_tokens": args.fidelity_tokens,
+        "niah_haystack": args.niah_haystack, "fidelity_tokens": args.fidelity_tokens, "lookahead": args.lookahead,
     }
     if args.budgets is not None and args.compression_ratios is None:
         cli["compression_ratios"] = []
@@ -193,18 +214,26 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if names == ["none"]:  # the full-cache baseline alone
         names = []
     if "all" in names:
-        names = [n for n in names if n != "all"] + [v for v in valid if v not in names]
-    unknown = [n for n in names if n not in valid]
+        names = [n for n in names if n != "all"] + [v for v in valid if v not in names
+                                                    and (v != "lookahead_kv" or _lookahead_adapter(cfg) is not None)]
+    canonical, unknown = [], []
+    for n in names:  # any spelling kvjax.policies accepts ("SnapKV", "snap_kv", "SnapKVPress"): one name
+        try:
+            canonical.append(canonical_name(n, valid))
+        except ValueError:
+            near = close_match(n, valid)
+            unknown.append(repr(n) + (f" (did you mean {near!r}?)" if near else ""))
     if unknown:
-        parser.error(f"unknown policy(ies) {', '.join(map(repr, unknown))}. Valid policies: "
+        parser.error(f"unknown policy(ies) {', '.join(unknown)}. Valid policies: "
                      f"{', '.join(valid) if valid else '(none registered)'}; or 'all', or 'none'")
-    cfg["policies"] = names
-    for r in cfg["compression_ratios"]:
-        if not 0.0 <= float(r) < 1.0:
-            parser.error(f"compression ratios must be in [0, 1), got {r}")
-    for b in cfg["budgets"]:
-        if int(b) <= 0:
-            parser.error(f"budgets must be positive, got {b}")
+    cfg["policies"] = list(dict.fromkeys(canonical))
+    try:
+        for r in cfg["compression_ratios"]:
+            check_budget(None, r)
+        for b in cfg["budgets"]:
+            check_budget(b, None)
+    except (TypeError, ValueError) as err:
+        parser.error(f"--compression-ratios / --budgets: {err}")
     for key in ("context_length", "batch_size", "fidelity_tokens"):
         if int(cfg[key]) <= 0:
             parser.error(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
@@ -217,6 +246,18 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         mode = "query-aware" if cfg["query_aware"] else "query-agnostic"
         cfg["out"] = str(pathlib.Path("out") / "eval" / f"{tag}_L{cfg['context_length']}_{mode}_seed{cfg['seed']}")
     return cfg
+
+
+def _lookahead_adapter(cfg: dict[str, Any], required: bool = False) -> Any:
+    """The adapter `lookahead_kv` runs with (--lookahead, else the bundled one), or None if there is none."""
+    from kvjax.lookahead import load
+
+    try:
+        return load(cfg["lookahead"] or "bundled")
+    except (FileNotFoundError, ValueError):
+        if required or cfg["lookahead"]:
+            raise
+        return None
 
 
 def _check_identity(out: pathlib.Path, cfg: dict[str, Any], parser: argparse.ArgumentParser) -> None:
@@ -239,10 +280,30 @@ def list_everything(policies: list[str]) -> str:
     return "\n".join(lines)
 
 
+def check_positions(cfg: dict[str, Any], limit: int | None, where: str, parser: argparse.ArgumentParser) -> None:
+    """Refuses a context length (or needle-grid length) beyond the model's positions."""
+    if limit is None:
+        return
+    longest = max([int(cfg["context_length"])] + [int(n) for n in cfg["niah_lengths"] or []])
+    if longest > limit:
+        parser.error(f"--context-length {cfg['context_length']}"
+                     + (f" (or --niah-lengths up to {longest})" if longest != int(cfg["context_length"]) else "")
+                     + f" needs {longest} positions, more than the model allows (max_position_embeddings={limit} "
+                     f"in {where}); pass --context-length {limit} or less")
+
+
+def resume_command(argv: list[str], out: pathlib.Path) -> str:
+    """The command line that resumes this run: the same arguments, and --out if it was implicit."""
+    named = any(a == "--out" or a.startswith("--out=") for a in argv)
+    return shlex.join(["python", "-m", "kvjax.eval", *argv, *([] if named else ["--out", str(out)])])
+
+
 def main(argv: list[str] | None = None, *, generate_fn=None, logits_fn=None, tokenizer=None,
          policies: list[str] | None = None) -> int:
     """Runs the CLI. Tests inject ``generate_fn`` / ``logits_fn`` / ``tokenizer`` / ``policies``;
-    without ``generate_fn`` the model is loaded and driven through `kvjax.generate`."""
+    without ``generate_fn`` the model is loaded and driven through `kvjax.generate`.
+    Returns the exit status: 0, or 130 after Ctrl-C (finished samples stay in results.jsonl)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.list:
@@ -251,19 +312,29 @@ def main(argv: list[str] | None = None, *, generate_fn=None, logits_fn=None, tok
     cfg = resolve(args, parser, policies)
     out = pathlib.Path(cfg["out"])
     _check_identity(out, cfg, parser)
+    try:
+        return _run(cfg, out, parser, args, generate_fn=generate_fn, logits_fn=logits_fn, tokenizer=tokenizer)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: finished samples are kept in {out / 'results.jsonl'}; resume with: "
+              f"{resume_command(argv, out)}", file=sys.stderr)
+        return 130
 
+
+def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser, args: argparse.Namespace, *,
+         generate_fn, logits_fn, tokenizer) -> int:
     from kvjax.eval import runner
     from kvjax.eval.prompts import chat_overhead
-    from kvjax.eval.report import write_reports
     from kvjax.eval.tasks import TASKS, TaskSkipped, generate_task
 
     if generate_fn is None:
         from kvjax.eval import engine
 
-        try:
+        try:  # the model's positions from its config file, before loading anything
+            check_positions(cfg, *engine.model_positions(cfg["model"]), parser)
             model = engine.load(cfg["model"])
         except (FileNotFoundError, ValueError) as err:
             parser.error(str(err))
+        check_positions(cfg, model.config.max_position_embeddings, str(model.path), parser)
         tokenizer = model.tokenizer
         generate_fn = engine.make_generate_fn(model, pad_to=int(cfg["batch_size"])) if tokenizer is not None else None
         logits_fn = logits_fn or engine.make_logits_fn(model)
@@ -292,7 +363,16 @@ def main(argv: list[str] | None = None, *, generate_fn=None, logits_fn=None, tok
             samples[task] = made
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    settings = runner.make_settings(cfg["policies"], cfg["compression_ratios"], cfg["budgets"])
+    names: list[Any] = list(cfg["policies"])
+    if "lookahead_kv" in names:
+        from kvjax.policies import get
+
+        try:
+            adapter = _lookahead_adapter(cfg, required=True)
+        except (FileNotFoundError, ValueError) as err:
+            parser.error(str(err))
+        names = [get(n, adapter=adapter) if n == "lookahead_kv" else n for n in names]
+    settings = runner.make_settings(names, cfg["compression_ratios"], cfg["budgets"])
     if share_shapes := getattr(generate_fn, "share_shapes", None):
         share_shapes([s for task, made in samples.items() if TASKS[task].metric != "fidelity" for s in made],
                      bool(cfg["query_aware"]))

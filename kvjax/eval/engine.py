@@ -4,31 +4,51 @@ runner's ``generate_fn`` / ``logits_fn``. Imported only when a real run needs it
 
 from __future__ import annotations
 
+import json
 import pathlib
 from typing import Any
 
 from kvjax import engine
 from kvjax.eval.prompts import build_prompt, encode_prompt
+from kvjax.models import load_model
+from kvjax.models.gguf import GGUFFile, config_dict, is_gguf
+from kvjax.models.model import BUNDLED, BUNDLED_MODEL_DIR, resolve_checkpoint
 
-BUNDLED_MODEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "assets" / "model"
+__all__ = ["BUNDLED_MODEL_DIR", "load", "make_generate_fn", "make_logits_fn", "resolve_model"]
 
 
 def resolve_model(spec: str | None) -> str:
-    """``bundled`` (or None) -> the model shipped in the package; anything else is a folder or Hub id."""
-    if spec in (None, "bundled"):
-        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
-            raise FileNotFoundError(
-                f"the bundled model is not in this installation ({BUNDLED_MODEL_DIR} has no config.json); "
-                "pass --model with a local folder or a Hub id")
-        return str(BUNDLED_MODEL_DIR)
+    """``bundled`` (or None) -> the model shipped in the package; a ``.gguf`` file or a folder as is;
+    anything else is a Hub id (see `kvjax.models.model.resolve_checkpoint`)."""
+    if spec in (None, BUNDLED):
+        return str(resolve_checkpoint(BUNDLED))
     return str(spec)
 
 
-def load(spec: str | None) -> Any:
-    """The `kvjax.models.Model` for ``spec`` (see `resolve_model`)."""
-    from kvjax.models import load_model
+def model_positions(spec: str | None) -> tuple[int | None, str]:
+    """The model's max_position_embeddings, read without loading its weights (a folder's
+    config.json, or a GGUF file's metadata), and the file it came from; (None, "") for a Hub id
+    or a file that cannot be read here (loading then reports the problem)."""
+    resolved = resolve_model(spec)
+    if is_gguf(resolved):
+        try:
+            value = config_dict(GGUFFile(resolved)).get("max_position_embeddings")
+        except (OSError, ValueError):
+            return None, ""
+        return (int(value) if value is not None else None), resolved
+    path = pathlib.Path(resolved) / "config.json"
+    if not path.is_file():
+        return None, ""
+    try:
+        value = json.loads(path.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None, ""
+    return (int(value) if isinstance(value, int) else None), str(path)
 
-    return load_model(resolve_model(spec))
+
+def load(spec: str | None) -> Any:
+    """The `kvjax.models.Model` for ``spec``: a folder, a Hub id, a ``.gguf`` file or ``bundled`` (None)."""
+    return load_model(BUNDLED if spec is None else spec)
 
 
 def _split_ids(samples: list[dict[str, Any]], tokenizer: Any, query_aware: bool) -> tuple[list, list]:
@@ -40,6 +60,21 @@ def _split_ids(samples: list[dict[str, Any]], tokenizer: Any, query_aware: bool)
         contexts.append(ctx)
         questions.append(q)
     return contexts, questions
+
+
+def cache_stats(out: engine.GenerateOutput, b: int) -> dict[str, Any]:
+    """Row b's cache as it really was while the row decoded: entries per KV head (peak, mean; the
+    average over layers and heads), their key/value bytes, the nominal budget and whether the cache
+    ever came down to it (None for the full cache). The decode loop runs to the row's stop token or
+    the batch's shared cap, so a row cut to a shorter task cap is counted over the longer decode."""
+    stats: dict[str, Any] = {}
+    for key in ("kept_peak", "kept_mean", "kv_bytes_peak", "kv_bytes_mean"):
+        value = getattr(out, key)
+        if value is not None:
+            stats[key] = int(round(float(value[b]))) if key.startswith("kv_bytes") else round(float(value[b]), 2)
+    stats["budget"] = None if out.budget is None else int(out.budget[b])
+    stats["budget_reached"] = None if out.budget_reached is None else bool(out.budget_reached[b])
+    return stats
 
 
 def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int = 128):
@@ -66,7 +101,7 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
             rows.append({"text": tokenizer.decode(out.tokens[b, :n].tolist(), skip_special_tokens=True),
                          "kept": float(out.kept[b]), "generated_tokens": n,
                          "prompt_tokens": len(contexts[b]) + len(questions[b]),
-                         "batch_cache_bytes": int(out.cache_bytes)})
+                         "batch_cache_bytes": int(out.cache_bytes), **cache_stats(out, b)})
         return rows
 
     def _inputs(samples, query_aware):

@@ -1,6 +1,8 @@
 """Summaries of result rows: a table (stdout, Markdown, CSV, JSON), a score-vs-compression plot, and
 needle-grid heatmaps. Task score = mean of per-sample scores x 100, rounded to 2 decimals; ``avg``
-is the unweighted mean over the tasks (fidelity excluded when other tasks are present).
+is the unweighted mean over the tasks (fidelity excluded when other tasks are present). Beside the
+scores, each setting's cache as it really was (`CACHE_COLUMNS`), and a mark on settings whose cache
+never came down to their budget.
 """
 
 from __future__ import annotations
@@ -11,9 +13,25 @@ import math
 import pathlib
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvjax.eval.runner import Setting
+if TYPE_CHECKING:
+    from kvjax.engine import Setting
+
+# What the numbers mean: printed under the table, in results.md and in `python -m kvjax.eval --help`.
+SCORE_NOTE = (
+    "score = mean per-sample score x 100 (each sample scores 0-1 by its task's metric, e.g. the fraction "
+    "of expected answers found); avg = unweighted mean over the tasks (fidelity left out when other tasks "
+    "ran); '-' = not run: the policy refused that ratio or budget (reasons listed).",
+    "kept mean / kept peak = KV entries per head (averaged over layers and KV heads) the cache held "
+    "while answering, after the question and after each generated token; KV MiB = their key and value "
+    "bytes, all layers and heads, per sample (mean); \N{DAGGER} on a setting: its cache never came down to "
+    "its budget (see its note).",
+)
+UNREACHED_MARK = "\N{DAGGER}"
+# (header, summary key, scale): the cache each setting actually used, averaged over its samples
+CACHE_COLUMNS = (("kept mean", "kept_mean", 1.0), ("kept peak", "kept_peak", 1.0),
+                 ("KV MiB", "kv_bytes_mean", 2.0**-20))
 
 
 def summarize(rows: Sequence[dict[str, Any]], tasks: Sequence[str],
@@ -43,10 +61,69 @@ def summarize(rows: Sequence[dict[str, Any]], tasks: Sequence[str],
             for k, vals in extras.items():
                 mean = sum(vals) / len(vals)
                 rec[k] = round(mean, 4) if math.isfinite(mean) else mean
+            rec.update(_cache_record(group))
             if errors:
                 rec["error"] = errors[0]
             out.append(rec)
     return out
+
+
+def _cache_record(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The cache the rows' answers used (from their stats): mean of kept_mean and kv_bytes_mean,
+    max of kept_peak, mean nominal budget, and `unreached`, how many rows never got down to it."""
+    stats = [r.get("stats") or {} for r in rows]
+    stats = [st for st in stats if "kept_mean" in st]
+    if not stats:
+        return {}
+    rec = {"kept_prefill": round(sum(st.get("kept", 0.0) for st in stats) / len(stats), 2),
+           "kept_mean": round(sum(st["kept_mean"] for st in stats) / len(stats), 2),
+           "kept_peak": round(max(st["kept_peak"] for st in stats), 2),
+           "kv_bytes_mean": round(sum(st["kv_bytes_mean"] for st in stats) / len(stats))}
+    budgets = [st["budget"] for st in stats if st.get("budget") is not None]
+    if budgets:
+        rec["budget_mean"] = round(sum(budgets) / len(budgets), 2)
+        rec["unreached"] = sum(1 for st in stats if st.get("budget_reached") is False)
+    return rec
+
+
+def cache_by_setting(rows: Sequence[dict[str, Any]], settings: Sequence[Setting]) -> dict[tuple[str, str], dict]:
+    """(policy, setting label) -> the cache its answers used over all its tasks (`_cache_record`,
+    plus `n`, the rows with cache statistics). Settings without statistics are left out."""
+    groups: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        if r.get("score") is not None:
+            groups[(r["policy"], r["setting"])].append(r)
+    out = {}
+    for st in settings:
+        group = groups.get((st.policy_name, st.label), [])
+        rec = _cache_record(group)
+        if rec:
+            n = sum(1 for r in group if "kept_mean" in (r.get("stats") or {}))
+            out[(st.policy_name, st.label)] = {**rec, "n": n}
+    return out
+
+
+def display_table(header: Sequence[str], body: Sequence[Sequence[Any]],
+                  cache: dict[tuple[str, str], dict]) -> tuple[list[str], list[list[Any]], list[str]]:
+    """The score table as shown: cache columns appended (when any row has them), and the setting
+    of a row whose cache never came down to its budget marked; returns the footnote lines too."""
+    if not cache:
+        return list(header), [list(row) for row in body], []
+    head = [*header, *(c[0] for c in CACHE_COLUMNS)]
+    rows, notes = [], []
+    for row in body:
+        rec = cache.get((row[0], row[1]), {})
+        label = row[1]
+        if rec.get("unreached"):
+            label = f"{label}{UNREACHED_MARK}"
+            notes.append(f"{UNREACHED_MARK} {row[0]} {row[1]}: the cache never came down to the budget "
+                         f"(~{rec['budget_mean']:g} entries per KV head) in {rec['unreached']} of {rec['n']} samples "
+                         f"(after prefill it held {rec['kept_prefill']:g}, while answering {rec['kept_mean']:g} "
+                         f"on average, {rec['kept_peak']:g} at the peak): these scores are those of a larger "
+                         "cache than the setting names.")
+        cells = [round(rec[key] * scale, 3) if key in rec else None for _, key, scale in CACHE_COLUMNS]
+        rows.append([row[0], label, *row[2:], *cells])
+    return head, rows, notes
 
 
 def wide_table(summary: Sequence[dict[str, Any]], tasks: Sequence[str],
@@ -115,47 +192,79 @@ def write_csv(path: pathlib.Path, summary: Sequence[dict[str, Any]]) -> None:
             writer.writerow({k: s.get(k) for k in fields})
 
 
-def plot_scores(path: pathlib.Path, summary: Sequence[dict[str, Any]], tasks: Sequence[str],
-                settings: Sequence[Setting], title: str = "") -> bool:
-    """Average score against compression ratio (or budget), one line per policy; False if nothing to draw."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot_points(summary: Sequence[dict[str, Any]], tasks: Sequence[str], settings: Sequence[Setting],
+                cache: dict[tuple[str, str], dict] | None = None) -> dict[str, list[dict[str, Any]]]:
+    """What the plot draws, per policy ("full" for the full cache): points with `x` (the compression
+    ratio, or the budget when no ratio ran), `score` (avg over tasks), `kept` (the mean entries per
+    KV head the cache really held, None without statistics) and `unreached` (marked settings)."""
     header, body = wide_table(summary, tasks, settings)
     avg = {(r[0], r[1]): r[-1] for r in body}
-    full = avg.get(("full", "full"))
-    by_policy: dict[str, list[tuple[float, float]]] = defaultdict(list)
     use_budget = not any(st.compression_ratio is not None for st in settings)
+    out: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for st in settings:
-        if st.policy is None or avg.get((st.policy_name, st.label)) is None:
+        key = (st.policy_name, st.label)
+        if avg.get(key) is None:
             continue
-        x = st.budget if use_budget else st.compression_ratio
-        if x is not None:
-            by_policy[st.policy_name].append((float(x), avg[(st.policy_name, st.label)]))
-    if not by_policy and full is None:
+        x = 0.0 if st.policy is None and not use_budget else (st.budget if use_budget else st.compression_ratio)
+        rec = (cache or {}).get(key, {})
+        out[st.policy_name].append({"x": None if x is None else float(x), "score": avg[key],
+                                    "kept": rec.get("kept_mean"), "unreached": bool(rec.get("unreached"))})
+    return dict(out)
+
+
+def plot_scores(path: pathlib.Path, summary: Sequence[dict[str, Any]], tasks: Sequence[str],
+                settings: Sequence[Setting], title: str = "", *,
+                cache: dict[tuple[str, str], dict] | None = None) -> bool:
+    """Average score against compression ratio (or budget), one line per policy, and, with cache
+    statistics, a second panel against the mean entries per KV head the cache really held; settings
+    whose cache never came down to the budget are drawn hollow. False if nothing to draw."""
+    import matplotlib
+    from matplotlib.figure import Figure  # drawn without pyplot: the global backend is left alone
+
+    points = plot_points(summary, tasks, settings, cache)
+    full = (points.pop("full", None) or [None])[0]
+    use_budget = not any(st.compression_ratio is not None for st in settings)
+    if not points and full is None:
         return False
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
-    colors, markers, styles = plt.get_cmap("tab20").colors, "os^vDP*Xph<>", ("-", "--", ":")
-    for j, (name, pts) in enumerate(sorted(by_policy.items())):  # no two lines look alike, up to 20 policies
-        pts = sorted(pts)
-        if full is not None and not use_budget:
-            pts = [(0.0, full)] + pts
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], label=name, color=colors[j % 20],
-                marker=markers[j % len(markers)], linestyle=styles[j // len(markers) % 3], markersize=4)
+    kept_panel = any(p["kept"] is not None for pts in points.values() for p in pts)
+    fig = Figure(figsize=(13 if kept_panel else 8.5, 4.5))
+    axes = fig.subplots(1, 2 if kept_panel else 1, squeeze=False)
+    colors, markers, styles = matplotlib.colormaps["tab20"].colors, "os^vDP*Xph<>", ("-", "--", ":")
+    panels = [("x", axes[0][0])] + ([("kept", axes[0][1])] if kept_panel else [])
+    for j, (name, pts) in enumerate(sorted(points.items())):  # no two lines look alike, up to 20 policies
+        style = dict(color=colors[j % 20], marker=markers[j % len(markers)], markersize=4,
+                     linestyle=styles[j // len(markers) % 3])
+        for key, ax in panels:
+            pts_k = sorted((p for p in pts if p[key] is not None), key=lambda p: p[key])
+            if key == "x" and full is not None and not use_budget:
+                pts_k = [full] + pts_k
+            ax.plot([p[key] for p in pts_k], [p["score"] for p in pts_k], label=name if key == "x" else None, **style)
+            hollow = [p for p in pts_k if p["unreached"]]
+            ax.plot([p[key] for p in hollow], [p["score"] for p in hollow], linestyle="none", marker=style["marker"],
+                    markersize=7, markerfacecolor="white", markeredgecolor=style["color"])
+    ax0 = axes[0][0]
     if full is not None:
-        ax.axhline(full, color="black", linestyle="--", linewidth=1, label="full cache")
-    ax.set_xlabel("budget (tokens kept per KV head)" if use_budget else "compression ratio (fraction removed)")
-    ax.set_ylabel("score (avg over tasks)")
+        for key, ax in panels:
+            ax.axhline(full["score"], color="black", linestyle="--", linewidth=1,
+                       label="full cache" if key == "x" else None)
+    ax0.set_xlabel("budget (tokens kept per KV head)" if use_budget else "compression ratio (fraction removed)")
+    ax0.set_ylabel("score (avg over tasks)")
     if use_budget:
-        ax.set_xscale("log", base=2)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)  # beside the plot, not over it
+        ax0.set_xscale("log", base=2)
+    if kept_panel:
+        ax1 = axes[0][1]
+        ax1.set_xlabel("KV entries per head the cache held while answering (mean)")
+        ax1.set_xscale("log", base=2)
+        ax1.set_title("hollow: the cache never came down to the budget", fontsize=8)
+        if full is not None and full["kept"] is not None:
+            ax1.plot([full["kept"]], [full["score"]], marker="*", markersize=9, color="black", linestyle="none")
+        ax1.grid(alpha=0.3)
+    fig.suptitle(title)
+    ax0.grid(alpha=0.3)
+    (axes[0][-1]).legend(*ax0.get_legend_handles_labels(), fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0),
+                         borderaxespad=0)  # beside the plot, not over it
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return True
 
 
@@ -178,17 +287,15 @@ def niah_matrices(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def plot_heatmaps(folder: pathlib.Path, matrices: dict[str, dict[str, Any]]) -> list[pathlib.Path]:
     """One PNG per setting: depth (rows) x context length (columns), score 0-100."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # drawn without pyplot: the global backend is left alone
     import numpy as np
 
     folder.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, m in matrices.items():
         data = np.array([[np.nan if v is None else v for v in row] for row in m["matrix"]], dtype=float)
-        fig, ax = plt.subplots(figsize=(1.2 + 0.7 * len(m["lengths"]), 1.2 + 0.45 * len(m["depths"])))
+        fig = Figure(figsize=(1.2 + 0.7 * len(m["lengths"]), 1.2 + 0.45 * len(m["depths"])))
+        ax = fig.subplots()
         im = ax.imshow(data, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(m["lengths"])), [str(x) for x in m["lengths"]], fontsize=7)
         ax.set_yticks(range(len(m["depths"])), [f"{d:g}" for d in m["depths"]], fontsize=7)
@@ -199,7 +306,6 @@ def plot_heatmaps(folder: pathlib.Path, matrices: dict[str, dict[str, Any]]) -> 
         fig.tight_layout()
         path = folder / (name.replace(" ", "_").replace("=", "").replace("/", "_") + ".png")
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         paths.append(path)
     return paths
 
@@ -213,15 +319,22 @@ def write_reports(out_dir: str | pathlib.Path, rows: Sequence[dict[str, Any]], t
     ran = [t for t in tasks if any(r["task"] == t for r in rows)]
     summary = summarize(rows, ran, settings)
     header, body = wide_table(summary, ran, settings)
-    plotted = plot_scores(out / "score_vs_compression.png", summary, ran, settings, title) if body else False
+    cache = cache_by_setting(rows, settings)
+    shown_head, shown, footnotes = display_table(header, body, cache)
+    plotted = bool(body) and plot_scores(out / "score_vs_compression.png", summary, ran, settings, title, cache=cache)
     matrices = niah_matrices(rows)
     heatmaps = plot_heatmaps(out / "niah_heatmaps", matrices) if matrices else []
     if matrices:
         (out / "niah_grid.json").write_text(json.dumps(matrices, indent=2))
     write_csv(out / "results.csv", summary)
-    (out / "metrics.json").write_text(json.dumps({"summary": summary, "table": {"header": header, "rows": body},
-                                                  "skipped": skipped or {}}, indent=2))
-    md = [f"# {title or 'kvjax.eval results'}", "", markdown_table(header, body) if body else "(no results)", ""]
+    (out / "metrics.json").write_text(json.dumps({
+        "summary": summary, "table": {"header": header, "rows": body},
+        "cache": [{"policy": p, "setting": lb, **rec} for (p, lb), rec in cache.items()],
+        "skipped": skipped or {}}, indent=2))
+    not_run = {(s["policy"], s["setting"]): s["error"] for s in summary if s.get("error")}
+    notes = [*SCORE_NOTE, *footnotes] if body else []
+    md = [f"# {title or 'kvjax.eval results'}", "", markdown_table(shown_head, shown) if body else "(no results)", ""]
+    md += [f"{line}  " for line in notes] + ([""] if notes else [])
     if plotted:
         md += ["![score vs compression](score_vs_compression.png)", ""]
     for p in heatmaps:
@@ -233,11 +346,13 @@ def write_reports(out_dir: str | pathlib.Path, rows: Sequence[dict[str, Any]], t
             md += ["", f"## Fidelity: {what}", "", _markdown(head, rows_, first=1)]
     if skipped:
         md += ["", "## Skipped tasks", ""] + [f"- **{t}**: {why}" for t, why in skipped.items()]
-    not_run = {(s["policy"], s["setting"]): s["error"] for s in summary if s.get("error")}
     if not_run:
         md += ["", "## Settings not run (shown as -)", ""]
         md += [f"- **{p} {label}**: {why}" for (p, label), why in not_run.items()]
     (out / "results.md").write_text("\n".join(md) + "\n", encoding="utf-8")
     if echo:
-        print(text_table(header, body) if body else "(no results)")
+        print(text_table(shown_head, shown) if body else "(no results)")
+        lines = notes + [f"- {p} {label}: not run: {why}" for (p, label), why in not_run.items()]
+        if lines:
+            print("\n" + "\n".join(lines))
     return {"summary": summary, "header": header, "rows": body, "plot": plotted, "heatmaps": heatmaps}

@@ -8,7 +8,10 @@ Each op has a pure-jnp reference (the XLA path), a Pallas TPU (Mosaic) kernel, a
   decode_attention(query, keys, values, valid, *, scale, implementation)
 
 ``implementation``: None (Pallas on TPU/GPU, XLA reference on CPU), "xla", "pallas_tpu",
-"pallas_gpu" or "interpret" (the TPU kernel in Pallas interpret mode, for CPU tests).
+"pallas_gpu" or "interpret" (the TPU kernel in Pallas interpret mode, for CPU tests), or a
+sequence of them (the first available). Each op's ``api.TABLE`` maps these names to functions;
+the default order per backend and the ``KVJAX_KERNEL_IMPLEMENTATION`` override are in ``_dispatch``.
+Score reductions shared with the policies (moments, GQA group reduction) are in ``reductions``.
 """
 
 # Import the op packages first: binding the functions afterwards means the names below refer to

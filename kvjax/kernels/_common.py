@@ -2,50 +2,27 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from kvjax import _compat
+from kvjax.kernels._dispatch import ENV_VAR, IMPLEMENTATIONS, resolve_implementation  # noqa: F401
+from kvjax.kernels.reductions import (  # noqa: F401
+    ENTROPY_EPS,
+    GROUP_REDUCTIONS,
+    MOMENTS,
+    combine_group_rows,
+    group_reduce_rows,
+    moment_contribution,
+)
 
-IMPLEMENTATIONS = ("xla", "pallas_tpu", "pallas_gpu", "interpret")
-GROUP_REDUCTIONS = ("mean", "sum", "max", None)
-MOMENTS = ("sum", "sumsq", "entropy")
-ENTROPY_EPS = 1e-10
 # Finite "minus infinity" for masked logits inside kernels: exp(MASK - m) underflows to 0
 # without producing inf - inf = NaN (same constant as jax's TPU flash attention).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 INT_BIG = int(np.iinfo(np.int32).max)
-
-
-ENV_VAR = "KVJAX_KERNEL_IMPLEMENTATION"
-
-
-def resolve_implementation(implementation: str | None) -> str:
-    """Map the public ``implementation`` argument to a concrete backend name.
-
-    None picks the Pallas kernel on TPU and GPU (the GPU one only while this jax still ships
-    the Triton backend) and the XLA reference elsewhere. The environment variable
-    KVJAX_KERNEL_IMPLEMENTATION, when set, replaces that automatic choice (an escape hatch for
-    callers that do not expose ``implementation``, e.g. to force "xla" on an untested GPU).
-    """
-    if implementation is None:
-        implementation = os.environ.get(ENV_VAR) or None
-    if implementation is None:
-        backend = jax.default_backend()
-        if backend == "tpu" and _compat.HAS_PALLAS_TPU:
-            return "pallas_tpu"
-        if backend in ("gpu", "cuda", "rocm") and _compat.HAS_TRITON:
-            return "pallas_gpu"
-        return "xla"
-    if not isinstance(implementation, str) or implementation not in IMPLEMENTATIONS:
-        raise ValueError(
-            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}"
-        )
-    return implementation
 
 
 def check_scale(scale: Any) -> float:
@@ -153,17 +130,6 @@ def first_visible_block(run: jax.Array) -> jax.Array:
     return jnp.where(first == nq, nq - 1, first).astype(jnp.int32)
 
 
-def group_reduce_rows(x: jax.Array, group_reduce: str | None, axis: int) -> jax.Array:
-    """Reduces the group axis of a per-query-head score."""
-    if group_reduce is None:
-        return x
-    if group_reduce == "mean":
-        return jnp.mean(x, axis=axis)
-    if group_reduce == "sum":
-        return jnp.sum(x, axis=axis)
-    return jnp.max(x, axis=axis)
-
-
 def check_moments(moments: Any) -> tuple[str, ...]:
     if isinstance(moments, str):
         moments = (moments,)
@@ -177,6 +143,19 @@ def check_group_reduce(group_reduce: Any) -> str | None:
     if group_reduce not in GROUP_REDUCTIONS:
         raise ValueError(f"group_reduce must be one of {GROUP_REDUCTIONS}, got {group_reduce!r}")
     return group_reduce
+
+
+def grouped_logits(queries: jax.Array, keys: jax.Array, query_positions: jax.Array, key_positions: jax.Array,
+                   *, scale: float) -> tuple[jax.Array, jax.Array]:
+    """float32 logits [B,Hkv,G,T,S] of queries [B,Hq,T,D] on keys [B,Hkv,S,D] (GQA by reshaping the
+    queries), and the causal mask of the same shape: 0 <= key_positions[s] <= query_positions[t]."""
+    b, hq, t, d = queries.shape
+    hkv = keys.shape[1]
+    q = queries.reshape(b, hkv, hq // hkv, t, d)
+    logits = jnp.einsum("bhgtd,bhsd->bhgts", q, keys, precision=lax.Precision.HIGHEST,
+                        preferred_element_type=jnp.float32) * scale
+    kpos = key_positions[:, :, None, None, :]
+    return logits, (kpos >= 0) & (kpos <= query_positions[:, None, None, :, None])
 
 
 def masked_softmax(logits: jax.Array, mask: jax.Array) -> jax.Array:

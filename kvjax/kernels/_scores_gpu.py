@@ -28,14 +28,6 @@ def pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
-def _contribution(moment: str, p: jax.Array) -> jax.Array:
-    if moment == "sum":
-        return p
-    if moment == "sumsq":
-        return p * p
-    return -p * jnp.log(p + _common.ENTROPY_EPS)
-
-
 def _lse_kernel(q_ref, k_ref, qpos_ref, kpos_ref, nblk_ref, lse_ref, *, scale, bk):
     q = q_ref[...]
     qp = qpos_ref[...]
@@ -71,7 +63,7 @@ def _moments_kernel(q_ref, k_ref, qpos_ref, kpos_ref, lse_ref, firstq_ref, *out_
             s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
             mask = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
             p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
-            return tuple(a + jnp.sum(_contribution(m, p), axis=0) for a, m in zip(accs, moments))
+            return tuple(a + jnp.sum(_common.moment_contribution(m, p), axis=0) for a, m in zip(accs, moments))
 
         init = tuple(jnp.zeros((bk,), jnp.float32) for _ in moments)
         per_member.append(lax.fori_loop(firstq_ref[()], nq, body, init))
@@ -81,10 +73,7 @@ def _moments_kernel(q_ref, k_ref, qpos_ref, kpos_ref, lse_ref, firstq_ref, *out_
             for g, row in enumerate(rows):
                 out_refs[mi * groups + g][...] = row
             continue
-        red = rows[0]
-        for row in rows[1:]:
-            red = jnp.maximum(red, row) if group_reduce == "max" else red + row
-        out_refs[mi][...] = red * (1.0 / groups) if group_reduce == "mean" else red
+        out_refs[mi][...] = _common.combine_group_rows(rows, group_reduce, groups)
 
 
 def score_moments(q5: jax.Array, keys: jax.Array, qpos: jax.Array, kpos: jax.Array, *, scale: float,

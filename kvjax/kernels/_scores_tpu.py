@@ -54,14 +54,6 @@ def _lane_fold(x: jax.Array) -> jax.Array:
     return out
 
 
-def _contribution(moment: str, p: jax.Array) -> jax.Array:
-    if moment == "sum":
-        return p
-    if moment == "sumsq":
-        return p * p
-    return -p * jnp.log(p + _common.ENTROPY_EPS)
-
-
 def _lse_kernel(kmin_ref, qmax_ref, lastk_ref, q_ref, k_ref, qpos_ref, kpos_ref, lse_ref,
                 m_ref, l_ref, *, scale, groups, hkv, nk, precision):
     b, h, qi, ki = (pl.program_id(i) for i in range(4))
@@ -122,7 +114,7 @@ def _moments_kernel(kmin_ref, qmax_ref, firstq_ref, q_ref, k_ref, qpos_ref, kpos
             p = jnp.where(mask, jnp.exp(s - lse_ref[g]), 0.0)
             for mi, moment in enumerate(moments):
                 slot = mi * slots + (g if per_member else 0)
-                acc_ref[slot] = acc_ref[slot] + _lane_fold(_contribution(moment, p))
+                acc_ref[slot] = acc_ref[slot] + _lane_fold(_common.moment_contribution(moment, p))
 
     @pl.when(qi == nq - 1)
     def _finish():
@@ -132,15 +124,8 @@ def _moments_kernel(kmin_ref, qmax_ref, firstq_ref, q_ref, k_ref, qpos_ref, kpos
             if group_reduce is None:
                 for a, row in enumerate(rows):
                     out[a:a + 1, :] = row
-            elif group_reduce == "max":
-                red = rows[0]
-                for row in rows[1:]:
-                    red = jnp.maximum(red, row)
-                out[...] = red
-            elif group_reduce == "mean":
-                out[...] = rows[0] * (1.0 / groups)
-            else:
-                out[...] = rows[0]
+            else:  # "max" keeps one row per member; "sum" / "mean" summed them into one
+                out[...] = _common.combine_group_rows(rows, group_reduce, groups)
 
 
 def _prepare(q5, keys, qpos, kpos, lse, bq, bk):

@@ -56,6 +56,19 @@ def _linear(x: jax.Array, w: jax.Array, b: jax.Array | None = None) -> jax.Array
     return y if b is None else y + b
 
 
+def _lora(y: jax.Array, x: jax.Array, name: str, hook: dict[str, Any] | None) -> jax.Array:
+    """y + mask * scale * (x A) B on the hook's rows only; other rows are returned bit-identical.
+
+    x [B,n,in], y [B,n,out]; hook: {"lora": {name: {"a": [in,r], "b": [r,out]}} (this layer's slice),
+    "mask": [B,n] bool, "scale": float}. Projections absent from hook["lora"] are left alone.
+    """
+    if hook is None or name not in hook["lora"]:
+        return y
+    f = hook["lora"][name]
+    delta = (x.astype(jnp.float32) @ f["a"].astype(jnp.float32)) @ f["b"].astype(jnp.float32)
+    return jnp.where(hook["mask"][..., None], y + (hook["scale"] * delta).astype(y.dtype), y)
+
+
 def attend(
     q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, scale: float,
     *, window: int | None = None, softcap: float | None = None,
@@ -108,6 +121,43 @@ def attend_blocked(
 
 
 QUERY_BLOCK = 1024  # prefills longer than this attend in query blocks
+OUTPUT_NORM_BLOCK = 128  # keys per block of the output-norm observation ([B,Hq,block,E] at once)
+
+
+def output_norms(v: jax.Array, wo: jax.Array, real: jax.Array) -> jax.Array:
+    """CriticalKV's per-key output weight: the group mean of ||v_j W_o^h||_1, float32 [B,Hkv,n].
+
+    v [B,Hkv,n,D]; wo [Hq*D,E] (the output projection, rows of query head h at h*D:(h+1)*D);
+    real [B,n] bool (padding keys get 0). Keys go through in blocks, so [B,Hq,block,E] is the
+    largest intermediate.
+    """
+    B, Hkv, n, D = v.shape
+    E = wo.shape[-1]
+    G = wo.shape[0] // (Hkv * D)
+    w = wo.reshape(Hkv, G, D, E)
+    block = min(n, OUTPUT_NORM_BLOCK)
+    nb = -(-n // block)
+    vp = jnp.pad(v, ((0, 0), (0, 0), (0, nb * block - n), (0, 0))).reshape(B, Hkv, nb, block, D)
+
+    def one(vb):  # [B,Hkv,block,D] -> [B,Hkv,block]
+        proj = jnp.einsum("bhcd,hgde->bhgce", vb, w.astype(vb.dtype), preferred_element_type=jnp.float32)
+        return jnp.abs(proj).sum(-1).mean(2)
+
+    out = jax.lax.map(one, vp.transpose(2, 0, 1, 3, 4))  # [nb,B,Hkv,block]
+    out = out.transpose(1, 2, 0, 3).reshape(B, Hkv, nb * block)[:, :, :n]
+    return jnp.where(real[:, None, :], out, 0.0)
+
+
+def query_statistics(q: jax.Array, positions: jax.Array, start: int) -> tuple[jax.Array, jax.Array]:
+    """Mean [B,Hq,D] and biased covariance [B,Hq,D,D] (float32) of the queries q [B,Hq,n,D] at the
+    real positions >= start (positions [B,n], -1 = padding). A row with no such query gets zeros."""
+    sel = ((positions >= start) & (positions >= 0)).astype(jnp.float32)  # [B,n]
+    count = jnp.maximum(sel.sum(-1), 1.0)[:, None, None]
+    qf = q.astype(jnp.float32)
+    mean = jnp.einsum("bhnd,bn->bhd", qf, sel) / count
+    centered = (qf - mean[:, :, None, :]) * sel[:, None, :, None]
+    cov = jnp.einsum("bhnd,bhne->bhde", centered, centered) / count[..., None]
+    return mean, cov
 
 
 def extend(
@@ -123,6 +173,9 @@ def extend(
     slots: jax.Array | None = None,
     remat: bool = False,
     rope_mode: str = "original",
+    inputs_embeds: jax.Array | None = None,
+    adapter: dict[str, Any] | None = None,
+    commit: bool = True,
 ) -> tuple[jax.Array, KVCache, Observations]:
     """Runs `n` new tokens through the model, writing their keys/values into `cache`.
 
@@ -138,22 +191,30 @@ def extend(
     rope_mode: "original", or "cache_relative" (StreamingLLM): keys are cached un-rotated; a filled
       cache is attended with every kept key rotated at its rank among the kept slots of its head,
       and each new query at the rank of its own slot. A prefill is the same either way.
+    inputs_embeds [B,n,E]: input vectors used instead of `embed[tokens]` (tokens may then be None;
+      Gemma's sqrt(hidden) scaling applies to token embeddings only, as in HF).
+    adapter: a row-masked low-rank hook (LookaheadKV): {"lora": {proj: {"a": [L,in,r], "b": [L,r,out]}},
+      "mask": [B,n] bool, "scale": float}; proj in q,k,v,o,gate,up,down. Rows where mask is False
+      compute exactly what they compute without the hook (bit-identical).
+    commit: False (with fresh=False, rope_mode "original") attends the new tokens to the cache plus
+      their own keys (causal by position) without writing them: the returned cache is `cache` itself.
     Returns logits [B,n or k,V] float32, the updated cache, and the `Observations` asked for:
-      window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32.
+      window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32,
+      query_mass [L,B,Hq,C] f32 (cache slots only; not for blocked prefills).
 
     Models with sliding-window layers (Gemma): L above is `cfg.num_global_layers`, the cache comes from
     `kvjax.models.local.init_cache` (its `local` rolling buffers are updated here, rope_mode aside:
     local layers always keep keys at their original rotation), and the real tokens of each row must
     have distinct positions (contiguous, as the engine feeds them).
     """
-    B, n = tokens.shape
+    B, n = positions.shape
     Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = cfg.jnp_dtype
     eps = cfg.rms_norm_eps
     scale = cfg.attn_scale
     cap = cfg.attn_logit_softcapping
     norm = gemma.gemma_rms_norm if cfg.gemma else rms_norm
-    act = (lambda x: jax.nn.gelu(x, approximate=True)) if cfg.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu
+    act_fn = (lambda x: jax.nn.gelu(x, approximate=True)) if cfg.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu
     has_local = bool(cfg.local_layer_ids)
     if rope_mode not in ("original", "cache_relative"):
         raise ValueError(f"rope_mode={rope_mode!r}; accepted values: 'original', 'cache_relative'")
@@ -162,16 +223,21 @@ def extend(
     cos, sin = rope_tables(jnp.maximum(positions, 0), inv_freq, dtype)
     if cache is None and not fresh:
         raise ValueError("extend: cache=None needs fresh=True")
+    if not commit and (fresh or relative):
+        raise ValueError("extend: commit=False needs fresh=False and rope_mode='original'")
     if cache is not None and (cache.k.shape[0] != cfg.num_global_layers or has_local != (cache.local is not None)):
         raise ValueError(f"extend: the cache has {cache.k.shape[0]} layers and local buffers: "
                          f"{cache.local is not None}; this {cfg.family} model needs {cfg.num_global_layers} global "
                          f"layers and local buffers: {has_local} (build it with kvjax.models.local.init_cache)")
-    if not fresh and slots is None:
+    if not fresh and slots is None and commit:
         slots = cache.write_slots(n)
     C = n if cache is None else cache.capacity
-    h = params["embed"][tokens].astype(dtype)
-    if cfg.gemma:
-        h = h * gemma.embed_scale(cfg)
+    if inputs_embeds is None:
+        h = params["embed"][tokens].astype(dtype)
+        if cfg.gemma:
+            h = h * gemma.embed_scale(cfg)
+    else:
+        h = inputs_embeds.astype(dtype)
     observe_any = bool(observe)
     n_real = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
     window_pos = n_real[:, None] - observe.window + jnp.arange(observe.window)  # [B, w]
@@ -184,7 +250,7 @@ def extend(
         """Writes the new keys/values of a global layer into its cache `l` (slots 0..n-1 for a prefill,
         `s` otherwise). enabled (traced bool, models with local layers): False drops the write."""
         new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
-        if ck is None:
+        if ck is None or not commit:
             return ck, cv, cpos, cvalid
         if fresh and enabled is None:
             ck = jax.lax.dynamic_update_slice(ck, k_stored[None].astype(ck.dtype), (l, 0, 0, 0, 0))
@@ -205,9 +271,10 @@ def extend(
         cvalid = cvalid.at[idx].set(new_pos >= 0, mode=mode)
         return ck, cv, cpos, cvalid
 
-    def global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s):
-        """Attention of a global layer (its new keys already written into its cache `l`):
-        out [B,Hq,n,D] and its observations. q, k rotated; q_raw un-rotated."""
+    def global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s, wo):
+        """Attention of a global layer (its new keys already written into its cache `l`, unless
+        commit=False): out [B,Hq,n,D] and its observations. q, k rotated; q_raw un-rotated;
+        wo [Hq*D,E] the output projection (for the output-norm observation)."""
         new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
         if fresh and ck is None and not observe_any and cap is None:
             # no cache and no observations (training): padding is on the right, so a real query sees
@@ -226,6 +293,11 @@ def extend(
                 probs = None
             else:
                 out, probs = attend(q, k, v, positions, new_pos, scale, softcap=cap)
+        elif not commit:  # the new tokens see the cache and each other, and are not stored
+            keys = jnp.concatenate([ck[l], k.astype(ck.dtype)], axis=2)
+            vals = jnp.concatenate([cv[l], v.astype(cv.dtype)], axis=2)
+            key_pos = jnp.concatenate([jnp.where(cvalid[l], cpos[l], -1), new_pos], axis=2)
+            out, probs = attend(q, keys, vals, positions, key_pos, scale, softcap=cap)
         else:
             keys = ck[l]
             if relative:
@@ -251,6 +323,17 @@ def extend(
             obs["column_mass"] = jnp.pad(mass, ((0, 0), (0, 0), (0, C - mass.shape[-1]))) if fresh else mass
         if observe.step_probs and not fresh:
             obs["step_probs"] = probs[:, :, :, -1, :]
+        if observe.output_norms and fresh:
+            norms = output_norms(v, wo, positions >= 0)
+            obs["output_norms"] = jnp.pad(norms, ((0, 0), (0, 0), (0, C - n)))
+        if observe.query_stats >= 0 and fresh:
+            obs["query_mean"], obs["query_cov"] = query_statistics(q_raw, positions, observe.query_stats)
+        if observe.query_mass:
+            if probs is None:
+                raise ValueError("extend: query_mass is not recorded for blocked prefills (n > QUERY_BLOCK)")
+            mass = jnp.sum(jnp.where((positions >= 0)[:, None, None, :, None], probs, 0.0), axis=3)
+            mass = mass.reshape(B, Hq, -1)
+            obs["query_mass"] = jnp.pad(mass, ((0, 0), (0, 0), (0, C - mass.shape[-1]))) if fresh else mass[:, :, :C]
         return out, obs
 
     def local_attention(q, k, v, local, li):
@@ -271,10 +354,11 @@ def extend(
     def layer(carry, xs):
         h, ck, cv, cpos, cvalid, local = carry
         lp, l = xs["params"], xs["index"]
+        hook = None if adapter is None else {**adapter, "lora": xs["lora"]}
         x = norm(h, lp["input_norm"], eps)
-        q = _linear(x, lp["q"], lp.get("q_bias")).reshape(B, n, Hq, D).transpose(0, 2, 1, 3)
-        k = _linear(x, lp["k"], lp.get("k_bias")).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
-        v = _linear(x, lp["v"], lp.get("v_bias")).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
+        q = _lora(_linear(x, lp["q"], lp.get("q_bias")), x, "q", hook).reshape(B, n, Hq, D).transpose(0, 2, 1, 3)
+        k = _lora(_linear(x, lp["k"], lp.get("k_bias")), x, "k", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
+        v = _lora(_linear(x, lp["v"], lp.get("v_bias")), x, "v", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
         if cfg.qk_norm:
             q = norm(q, lp["q_norm"], eps)
             k = norm(k, lp["k_norm"], eps)
@@ -290,7 +374,7 @@ def extend(
             q_loc, k_loc = apply_rope(q_raw, local_cos, local_sin), apply_rope(k_raw, local_cos, local_sin)
 
             def run_global():
-                return global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s)
+                return global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s, lp["o"])
 
             def run_local():  # no observations: zeros shaped as a global layer's (dropped after the scan)
                 shapes = jax.eval_shape(run_global)[1]
@@ -298,26 +382,29 @@ def extend(
                 return local_attention(q_loc, k_loc, v, local, l), zeros
 
             out, obs = jax.lax.cond(local_layer, run_local, run_global)
-            if local is not None:
+            if local is not None and commit:
                 local = rolling_write(local, l, k_loc, v, jnp.where(local_layer, positions, -1))
         else:
             ck, cv, cpos, cvalid = global_write(k_stored, v, ck, cv, cpos, cvalid, l, s)
-            out, obs = global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s)
+            out, obs = global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s, lp["o"])
         attn = out.transpose(0, 2, 1, 3).reshape(B, n, Hq * D)
-        attn = _linear(attn, lp["o"], lp.get("o_bias"))
-        h = h + (norm(attn, lp["post_attn_norm"], eps) if cfg.gemma else attn)
+        attn_out = _lora(_linear(attn, lp["o"], lp.get("o_bias")), attn, "o", hook)
+        h = h + (norm(attn_out, lp["post_attn_norm"], eps) if cfg.gemma else attn_out)
         x = norm(h, lp["post_norm"], eps)
-        gate = _linear(x, lp["gate"], lp.get("gate_bias"))
-        up = _linear(x, lp["up"], lp.get("up_bias"))
-        mlp = _linear(act(gate) * up, lp["down"], lp.get("down_bias"))
+        gate = _lora(_linear(x, lp["gate"], lp.get("gate_bias")), x, "gate", hook)
+        up = _lora(_linear(x, lp["up"], lp.get("up_bias")), x, "up", hook)
+        act = act_fn(gate) * up
+        mlp = _lora(_linear(act, lp["down"], lp.get("down_bias")), act, "down", hook)
         h = h + (norm(mlp, lp["post_mlp_norm"], eps) if cfg.gemma else mlp)
         return (h, ck, cv, cpos, cvalid, local), obs
 
     xs = {"params": params["layers"], "index": jnp.asarray(cache_index)}
     if has_local:
         xs["is_local"] = jnp.asarray(is_local)
-    if not fresh:  # per scan step: the global layer's slots (those of local layers are unused)
+    if not fresh and commit:  # per scan step: the global layer's slots (those of local layers are unused)
         xs["slots"] = slots if not has_local else slots[jnp.asarray(np.where(is_local, 0, cache_index))]
+    if adapter is not None:
+        xs["lora"] = adapter["lora"]
     if remat:
         layer = jax.checkpoint(layer)
     local = None if cache is None or cache.local is None else (cache.local.k, cache.local.v, cache.local.pos,
@@ -326,7 +413,7 @@ def extend(
     (h, ck, cv, cpos, cvalid, local), obs = jax.lax.scan(layer, init, xs)
     if has_local:  # observations of the global layers only, as the cache holds
         obs = jax.tree.map(lambda a: a[np.asarray(cfg.global_layer_ids)], obs)
-    if cache is not None:
+    if cache is not None and commit:
         local = None if local is None else KVCache(*local)
         cache = KVCache(k=ck, v=cv, pos=cpos, valid=cvalid, local=local)
     if logit_index is not None:
@@ -338,5 +425,8 @@ def extend(
     observations = Observations(
         window_queries=obs.get("window_queries"),
         window_positions=jnp.where(window_pos >= 0, window_pos, -1) if observe.window else None,
-        column_mass=obs.get("column_mass"), step_probs=obs.get("step_probs"), lengths=n_real, attn_scale=scale)
+        column_mass=obs.get("column_mass"), step_probs=obs.get("step_probs"), query_mass=obs.get("query_mass"),
+        lengths=n_real, attn_scale=scale,
+        output_norms=obs.get("output_norms"), query_mean=obs.get("query_mean"), query_cov=obs.get("query_cov"),
+        rope_inv_freq=tuple(float(x) for x in inv_freq) if observe.query_stats >= 0 else None)
     return logits, cache, observations

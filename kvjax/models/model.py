@@ -10,10 +10,15 @@ from typing import Any
 import jax
 
 from kvjax.models.config import SUPPORTED_DTYPES, ModelConfig
+from kvjax.models.gguf import is_gguf, load_gguf
 from kvjax.models.loading import load_params, to_device
+from kvjax.sharding import param_shardings
+from kvjax.tokenizer import load_tokenizer as _load_tokenizer
+
+BUNDLED = "bundled"
+BUNDLED_MODEL_DIR = pathlib.Path(__file__).resolve().parents[1] / "assets" / "model"
 
 _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -33,8 +38,19 @@ class Model:
 
 
 def resolve_checkpoint(name_or_path: str | os.PathLike, *, revision: str | None = None, cache_dir: str | None = None) -> pathlib.Path:
-    """A local folder as is; otherwise a Hub id, fetched with huggingface_hub or found in the local Hub cache."""
+    """A local folder (or `.gguf` file) as is; "bundled": the model shipped in the package (from any
+    directory); otherwise a Hub id, fetched with huggingface_hub or found in the local Hub cache."""
+    if str(name_or_path) == BUNDLED:
+        if not (BUNDLED_MODEL_DIR / "config.json").is_file():
+            raise FileNotFoundError(
+                f"the bundled model is not in this installation ({BUNDLED_MODEL_DIR} has no config.json); "
+                "pass a local folder, a .gguf file or a Hub id")
+        return BUNDLED_MODEL_DIR
     path = pathlib.Path(name_or_path).expanduser()
+    if is_gguf(path):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return path
     if path.is_dir():
         return path
     name = str(name_or_path)
@@ -56,12 +72,8 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, *, revision: str | None 
 
 
 def load_tokenizer(folder: pathlib.Path) -> Any:
-    """transformers' AutoTokenizer when the folder has tokenizer files, else None."""
-    if not any((folder / f).exists() for f in _TOKENIZER_FILES):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
+    """transformers' AutoTokenizer when the folder has tokenizer files, else None (`kvjax.tokenizer.load_tokenizer`)."""
+    return _load_tokenizer(folder, required=False)
 
 
 def load_model(
@@ -73,21 +85,24 @@ def load_model(
     cache_dir: str | None = None,
     tokenizer: bool = True,
 ) -> Model:
-    """Loads a Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 (text) checkpoint from a local folder or a Hub id.
+    """Loads a Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 (text) checkpoint from a local folder, a Hub id,
+    a `.gguf` file (llama, qwen2, qwen3; quantized tensors are dequantized) or "bundled" (the model
+    shipped in kvjax).
 
-    dtype: "float32" or "bfloat16" (default: the checkpoint's torch_dtype).
+    dtype: "float32" or "bfloat16" (default: the checkpoint's torch_dtype; float32 for GGUF).
     mesh: a ("data", "model") mesh from `kvjax.make_mesh`; params are sharded by logical-axis rules.
     """
     if dtype is not None and dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"dtype={dtype!r} is not supported; accepted values: {sorted(SUPPORTED_DTYPES)}")
     folder = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir)
-    cfg = ModelConfig.from_file(folder / "config.json", dtype)
-    host = load_params(folder, cfg)
+    if folder.is_file():  # a GGUF file: weights, config and tokenizer in one
+        cfg, host, tok = load_gguf(folder, dtype, tokenizer=tokenizer)
+    else:
+        cfg = ModelConfig.from_file(folder / "config.json", dtype)
+        host = load_params(folder, cfg)
+        tok = load_tokenizer(folder) if tokenizer else None
     shardings = None
     if mesh is not None:
-        from kvjax.sharding import param_shardings
-
         shardings = param_shardings(cfg, mesh)
     params = to_device(host, shardings)
-    tok = load_tokenizer(folder) if tokenizer else None
     return Model(config=cfg, params=params, tokenizer=tok, path=str(folder), mesh=mesh)

@@ -4,13 +4,18 @@
 The engine protocol (plan -> prefill_keep -> init_decode -> decode_update) is in `base`.
 """
 
-from kvjax.policies.allocators import Ada, Allocator, Cake, Pyramid, Uniform
+from kvjax.policies.allocators import Ada, Allocator, Cake, Global, Pyramid, Uniform
 from kvjax.policies.base import Plan, Policy, Requirements, select
 from kvjax.policies.baseline import Random
 from kvjax.policies.cake import CAKE
+from kvjax.policies.critical import CriticalKV
+from kvjax.policies.defensive import DefensiveKV
+from kvjax.policies.expected import ExpectedAttention
 from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
+from kvjax.policies.kvzip import KVzip
 from kvjax.policies.lazy import LazyEviction
+from kvjax.policies.lookahead import LookaheadKV
 from kvjax.policies.registry import available, get, resolve
 from kvjax.policies.snapkv import AdaPyramidKV, AdaSnapKV, PyramidKV, SnapKV
 from kvjax.policies.streaming import StreamingLLM
@@ -25,9 +30,15 @@ __all__ = [
     "AdaSnapKV",
     "Allocator",
     "Cake",
+    "CriticalKV",
+    "DefensiveKV",
+    "ExpectedAttention",
+    "Global",
     "H2OPrefill",
     "KNorm",
+    "KVzip",
     "LazyEviction",
+    "LookaheadKV",
     "Plan",
     "Policy",
     "Pyramid",

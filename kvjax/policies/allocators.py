@@ -305,6 +305,80 @@ def _top_share(s: jax.Array, cand: jax.Array, bp: jax.Array) -> jax.Array:
     return top / jnp.where(total > 0, total, 1)
 
 
+# ----------------------------------------------------------------------------- global (DefensiveKV, KVzip)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Global(Allocator):
+    """One budget shared by all KV heads of a layer (Ada-KV-style head budgets without a floor), or
+    by all layers and heads (across_layers=True): each head's protected slots (from the scorer) are
+    kept and the rest goes to the best scores across the group (DefensiveKV, Layer-DefensiveKV,
+    KVzip). With S = Hkv (or Hkv * L) slots-per-token, the group keeps S * C entries for a budget C,
+    and for a ratio r int(T (1 - r) S) (rounding="kept", DefensiveKV's code) or
+    T S - int(T S r) (rounding="pruned", KVzip's code). A per-head budget at or below the
+    protected count keeps the most recent protected slots."""
+
+    across_layers: bool = False
+    rounding: str = "kept"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.across_layers, bool):
+            raise TypeError(f"across_layers must be a bool, got {self.across_layers!r}")
+        check_choice("rounding", self.rounding, ("kept", "pruned"))
+
+    def allocate(
+        self,
+        lengths: Sequence[int],
+        num_layers: int,
+        num_kv_heads: int,
+        *,
+        budget: int | None,
+        ratio: float | None,
+        protect: int,
+        compat: str,
+    ) -> Allocation:
+        w, H, L = protect, num_kv_heads, num_layers
+        counts, extra, bound = [], [], []
+        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
+            n_kept = min(c, t)
+            scale = H * (L if self.across_layers else 1)
+            if ratio is None:
+                total = scale * c
+            elif self.rounding == "kept":
+                total = int(t * (1 - ratio) * scale)
+            else:
+                total = scale * t - int(scale * t * ratio)
+            if n_kept >= t:
+                counts.append([t] * L), extra.append([-1] * L), bound.append([t] * L)
+                continue
+            most = t if self.across_layers else min(t, total - (H - 1) * min(w, n_kept))
+            counts.append([n_kept] * L), extra.append([total] * L), bound.append([max(most, n_kept)] * L)
+        tr = lambda rows: tuple(tuple(col) for col in zip(*rows))  # noqa: E731  [B][L] -> [L][B]
+        evicts = any(e >= 0 for row in extra for e in row)
+        return Allocation(tr(counts), tr(extra), tr(bound), evicts)
+
+    def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
+        L, B, H, C = cache.valid.shape
+        nominal, total, lengths = as_i32(plan.counts), as_i32(plan.extra), as_i32(plan.lengths)
+        valid, prot = cache.valid, scored.protected & cache.valid
+        forced = prot.sum(-1)  # [L,B,H]
+        rest = valid & ~prot
+        if self.across_layers:  # one selection per row over (layer, head, slot)
+            flat = lambda x: jnp.moveaxis(x, 1, 0).reshape(B, L * H * C)  # noqa: E731
+            left = total[0] - forced.sum((0, 2))  # [B]
+            r = rank(flat(scored.scores), flat(rest), pos=flat(cache.pos))
+            chosen = flat(rest) & (r < left[:, None])
+            chosen = jnp.moveaxis(chosen.reshape(B, L, H, C), 0, 1).sum(-1)
+        else:
+            flat = lambda x: x.reshape(L, B, H * C)  # noqa: E731
+            left = total - forced.sum(-1)  # [L,B]
+            r = rank(flat(scored.scores), flat(rest), pos=flat(cache.pos))
+            chosen = (flat(rest) & (r < left[..., None])).reshape(L, B, H, C).sum(-1)
+        counts = jnp.where((nominal <= protect)[..., None], nominal[..., None], forced + chosen)
+        return jnp.where((total >= 0)[..., None], counts, lengths[None, :, None]).astype(jnp.int32)
+
+
+
 # ----------------------------------------------------------------------------- CAKE
 
 
@@ -363,6 +437,10 @@ class Cake(Allocator):
     total (C - w)*L is split by P_l, fixed up by `adjust_budgets` and clipped. parity=True clips
     at T - w (the original, no memory saved); parity=False clips at min(T - w, cap_factor*(C - w))
     so that the cache compacts [kvjax choice]. Statistics use the last `window` queries.
+    cascade=True is cakekv's `--cascading` mode: after each layer l the budgets of layers 0..l are
+    recomputed from their preferences alone (the share P_m / sum_{k<=l} P_k of the whole total,
+    fixed up over those layers) and each of them is re-evicted from its stored indicator; as the
+    re-evictions are nested top-k of one score, layer m finally keeps min over l >= m of b_{m,l}.
     """
 
     tau1: float = 1.0
@@ -370,6 +448,7 @@ class Cake(Allocator):
     window: int = 32
     cap_factor: int = 2
     parity: bool = False
+    cascade: bool = False
 
     def __post_init__(self) -> None:
         check_float("tau1", self.tau1, 0.0, math.inf, lo_open=True, hi_open=True)
@@ -378,6 +457,8 @@ class Cake(Allocator):
         check_int("cap_factor", self.cap_factor, 1)
         if not isinstance(self.parity, bool):
             raise TypeError(f"parity must be a bool, got {self.parity!r}")
+        if not isinstance(self.cascade, bool):
+            raise TypeError(f"cascade must be a bool, got {self.cascade!r}")
 
     def requirements(self) -> Requirements:
         return Requirements(observe=ObservationSpec(window=self.window))
@@ -416,8 +497,16 @@ class Cake(Allocator):
         total = (nominal - protect) * L
         lp = jnp.where(jnp.isnan(log_pref), -jnp.inf, log_pref)
         lp = jnp.where(jnp.isfinite(lp).any(0, keepdims=True), lp, 0.0)  # all-degenerate row: uniform
-        share = jax.nn.softmax(lp, axis=0)
-        return cake_adjust_budgets(share * total[None].astype(jnp.float32), total, jnp.maximum(clip, 0))
+        bound = jnp.maximum(clip, 0)
+        if not self.cascade:
+            share = jax.nn.softmax(lp, axis=0)
+            return cake_adjust_budgets(share * total[None].astype(jnp.float32), total, bound)
+        out = jnp.full(lp.shape, jnp.iinfo(jnp.int32).max, jnp.int32)
+        for l in range(L):  # the state after layer l: budgets of the layers seen so far
+            share = jax.nn.softmax(lp[: l + 1], axis=0)
+            b = cake_adjust_budgets(share * total[None].astype(jnp.float32), total, bound)
+            out = out.at[: l + 1].min(jnp.minimum(b, bound[None]))
+        return out
 
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
         log_pref = scored.aux.get("cake_log_pref")

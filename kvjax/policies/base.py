@@ -101,6 +101,9 @@ class Policy:
       context alone (kvpress presets, policies.md §1.3). Read by the engine, not by the policy.
     kvpress_compat: "0.5.4" (plain int(T*(1-r))), or "0.5.5" / "main" (max(1, int(T*(1-r)))),
       policies.md §1.1; the *_kvpress presets follow 0.5.5.
+    name: the preset of the class's default hyperparameters (`policies.get(cls.name) == cls()`);
+      reports name an object by its preset, or by the nearest one and what differs
+      (`policies.registry.name_of`, e.g. "snapkv(window=16)").
     """
 
     name: ClassVar[str] = "policy"
@@ -119,6 +122,11 @@ class Policy:
 
     def requirements(self) -> Requirements:
         return Requirements()
+
+    def lookahead_adapter(self) -> Any:
+        """For policies whose requirements ask for `ObservationSpec(lookahead=True)`: the LookaheadKV
+        adapter (params + config) whose tokens the engine runs after the prompt. None otherwise."""
+        return None
 
     def plan(
         self,
@@ -213,8 +221,23 @@ def check_float(name: str, value: Any, lo: float, hi: float, *, hi_open: bool = 
     bad_lo = value <= lo if lo_open else value < lo
     bad_hi = value >= hi if hi_open else value > hi
     if bad_lo or bad_hi:
-        interval = f"{'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
         raise ValueError(f"{name} must lie in {interval}, got {value}")
+
+
+def check_budget(budget: Any, compression_ratio: Any, policy: str | None = None) -> None:
+    """The one check of the budget knob (the engine's settings, `Policy.plan` and the eval CLI):
+    exactly one of `budget` (entries kept per KV head, an int >= 1) and `compression_ratio` (the
+    fraction removed, 0 <= r < 1). ValueError / TypeError naming the argument and what it accepts."""
+    if (budget is None) == (compression_ratio is None):
+        got = "both" if budget is not None else "neither"
+        who = f"policy {policy!r} needs " if policy else "pass "
+        raise ValueError(f"{who}exactly one of budget= (entries kept per KV head, an int >= 1) or "
+                         f"compression_ratio= (fraction removed, 0 <= r < 1); got {got}")
+    if budget is not None:
+        check_int("budget", budget if not hasattr(budget, "item") else budget.item(), 1)
+    else:
+        check_float("compression_ratio", compression_ratio, 0.0, 1.0, hi_open=True)
 
 
 def check_pool_kernel(name: str, kernel: Any) -> None:
@@ -248,16 +271,7 @@ class PlanRequest:
         bucket: int | None,
         question_tokens: int = 0,
     ) -> "PlanRequest":
-        if (budget is None) == (ratio is None):
-            got = "both" if budget is not None else "neither"
-            raise ValueError(
-                "pass exactly one of budget= (tokens kept per KV head, an int >= 1) or compression_ratio= "
-                f"(fraction removed, 0 <= r < 1); got {got}"
-            )
-        if budget is not None:
-            check_int("budget", budget, 1)
-        else:
-            check_float("compression_ratio", ratio, 0.0, 1.0, hi_open=True)
+        check_budget(budget, ratio)
         lengths = tuple(lengths)
         if not lengths:
             raise ValueError("lengths must name at least one row")

@@ -56,6 +56,8 @@ class CAKE(PrefillPolicy):
     Decode (decode=True): a layer holding more than hh_l + w entries keeps the w newest and the
     top hh_l by the step's probabilities (group mean, avg-pooled in position order).
     `tau1`/`tau2` default to 1 (the code's fallback); `CAKE.for_model` reads the authors' table.
+    cascade=True replays cakekv's cascading prefill (budgets recomputed after every layer over the
+    layers seen so far, earlier layers re-evicted from their stored indicators; see `Cake`).
     """
 
     name = "cake"
@@ -66,6 +68,7 @@ class CAKE(PrefillPolicy):
     tau2: float = 1.0
     cap_factor: int = 2
     parity: bool = False
+    cascade: bool = False
     decode: bool = True
     use_model_scale: bool = True
     allocator: Allocator | None = None  # type: ignore[assignment]
@@ -88,7 +91,8 @@ class CAKE(PrefillPolicy):
     def budget_allocator(self) -> Allocator:
         if self.allocator is not None:
             return self.allocator
-        return Cake(tau1=self.tau1, tau2=self.tau2, window=self.window, cap_factor=self.cap_factor, parity=self.parity)
+        return Cake(tau1=self.tau1, tau2=self.tau2, window=self.window, cap_factor=self.cap_factor, parity=self.parity,
+                    cascade=self.cascade)
 
     def protected_count(self) -> int:
         return self.window

@@ -1,42 +1,50 @@
-"""Preset names (policies.md §13 and the *_kvpress presets) -> configured policy instances."""
+"""Preset names (policies.md §13 and the *_kvpress presets) -> configured policy instances.
+
+Names are also accepted in kvpress's and the papers' spellings (`SnapKV`, `snap_kv`,
+`StreamingLLM`, `SnapKVPress`, `KnormPress`, ...): `canonical_name` maps them to one preset, and
+results are recorded under that name. A kvpress class name (`...Press`) means the `*_kvpress` preset.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import re
+from collections.abc import Iterable
 from typing import Any
 
 from kvjax.policies.allocators import Ada, Pyramid
 from kvjax.policies.base import Policy
 from kvjax.policies.baseline import Random
 from kvjax.policies.cake import CAKE
+from kvjax.policies.critical import CriticalKV
+from kvjax.policies.defensive import DefensiveKV
+from kvjax.policies.expected import ExpectedAttention
 from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
+from kvjax.policies.kvzip import KVzip
 from kvjax.policies.lazy import LazyEviction
+from kvjax.policies.lookahead import LookaheadKV
 from kvjax.policies.snapkv import AdaPyramidKV, AdaSnapKV, PyramidKV, SnapKV
 from kvjax.policies.streaming import StreamingLLM
 from kvjax.policies.tova import TOVA
 
+# kvpress semantics for the *_kvpress presets: its budget rule, no question in the compressed
+# prompt, and 0.5.5's arithmetic (at least one entry kept, Ada-KV's safeguard at least 1).
+_KVPRESS = dict(rule="kvpress", query_aware=False, kvpress_compat="0.5.5")
 # kvpress's SnapKV scoring (w=64, kernel 5, avg-pool, mean over the window, group mean after
 # pooling, 1/sqrt(d)), shared by its PyramidKV and AdaKV presses.
-_KVPRESS_SNAP = dict(
-    window=64,
-    kernel=5,
-    pooling="avg",
-    window_reduce="mean",
-    gqa_order="after",
-    rule="kvpress",
-    use_model_scale=False,
-    query_aware=False,
-)
+_KVPRESS_SNAP = dict(window=64, kernel=5, pooling="avg", window_reduce="mean", gqa_order="after",
+                     use_model_scale=False, **_KVPRESS)
 
 _PRESETS: dict[str, Policy] = {
     "streaming_llm": StreamingLLM(),
-    "streaming_llm_kvpress": StreamingLLM(decode=False, rope_mode="original", rule="kvpress", query_aware=False),
+    "streaming_llm_kvpress": StreamingLLM(decode=False, rope_mode="original", **_KVPRESS),
     "h2o": H2O(),
     "h2o_prefill": H2OPrefill(),
-    "observed_attention_kvpress": H2OPrefill(window=0, normalize=True, rule="kvpress", query_aware=False),
+    "observed_attention_kvpress": H2OPrefill(window=0, normalize=True, **_KVPRESS),
     "tova": TOVA(),
-    "tova_kvpress": TOVA(decode=False, protect_last=True, rule="kvpress", use_model_scale=False, query_aware=False),
+    "tova_kvpress": TOVA(decode=False, protect_last=True, use_model_scale=False, **_KVPRESS),
     "snapkv": SnapKV(),
     "snapkv_kvpress": SnapKV(**_KVPRESS_SNAP),
     "pyramidkv": PyramidKV(),
@@ -45,9 +53,26 @@ _PRESETS: dict[str, Policy] = {
     "ada_pyramidkv": AdaPyramidKV(),
     "adakv_snapkv_kvpress": SnapKV(allocator=Ada(alpha=0.2, rule="kvpress"), **_KVPRESS_SNAP),
     "cake": CAKE(),
+    "cake_cascade": CAKE(cascade=True),
+    "expected_attention": ExpectedAttention(),
+    "expected_attention_kvpress": ExpectedAttention(**_KVPRESS),
+    "ada_expected_attention": ExpectedAttention(epsilon=1e-2, allocator=Ada(alpha=0.2)),
+    # kvpress's leaderboard entry `expected_attention`: AdaKVPress(ExpectedAttentionPress(epsilon=1e-2))
+    "ada_expected_attention_kvpress": ExpectedAttention(epsilon=1e-2, allocator=Ada(alpha=0.2, rule="kvpress"),
+                                                        **_KVPRESS),
+    "critical_snapkv": CriticalKV(scorer=SnapKV()),
+    "critical_ada_snapkv": CriticalKV(scorer=AdaSnapKV()),
+    "critical_snapkv_kvpress": CriticalKV(scorer=SnapKV(**_KVPRESS_SNAP), **_KVPRESS),
+    "critical_adakv_snapkv_kvpress": CriticalKV(scorer=SnapKV(allocator=Ada(alpha=0.2, rule="kvpress"),
+                                                              **_KVPRESS_SNAP), **_KVPRESS),
+    "defensivekv": DefensiveKV(),
+    "layer_defensivekv": DefensiveKV(layer_wise=True),
+    "kvzip": KVzip(),
+    "kvzip_kvpress": KVzip(**_KVPRESS),
     "knorm": KNorm(),
-    "knorm_kvpress": KNorm(skip_layers=(), rule="kvpress", query_aware=False),
+    "knorm_kvpress": KNorm(skip_layers=(), **_KVPRESS),
     "lazy_eviction": LazyEviction(),
+    "lookahead_kv": LookaheadKV(),
     "random": Random(),
 }
 
@@ -57,10 +82,67 @@ def available() -> list[str]:
     return sorted(_PRESETS)
 
 
+# Spellings that case and punctuation folding does not reach (kvpress's AdaKVPress wraps SnapKV).
+_ALIASES = {"adakv": "ada_snapkv", "adakvpress": "adakv_snapkv_kvpress", "randompress": "random",
+            "observedattention": "observed_attention_kvpress", "cakekv": "cake"}
+
+
+def _fold(name: str) -> str:
+    return re.sub(r"[^0-9a-z]", "", name.lower())
+
+
+def close_match(name: str, names: Iterable[str]) -> str | None:
+    """The name in `names` closest to `name` (difflib), or None."""
+    by_fold = {_fold(n): n for n in names}
+    hit = difflib.get_close_matches(_fold(name), list(by_fold), n=1, cutoff=0.6)
+    return by_fold[hit[0]] if hit else None
+
+
+def canonical_name(name: str, names: Iterable[str] | None = None) -> str:
+    """The preset (one of `names`, default `available()`) that `name` spells, in any case and with
+    or without underscores or hyphens: "StreamingLLM" and "streaming-llm" -> "streaming_llm";
+    kvpress class names mean the kvpress preset: "SnapKVPress" -> "snapkv_kvpress".
+    Raises ValueError listing the presets (and the closest one) for an unknown name."""
+    names = available() if names is None else sorted(names)
+    if not isinstance(name, str):
+        raise TypeError(f"a policy name must be a string, got {name!r}")
+    if name in names:
+        return name
+    by_fold: dict[str, str] = {}
+    for n in names:
+        by_fold.setdefault(_fold(n), n)
+    key = _fold(name)
+    tries = [key, _fold(_ALIASES.get(key, ""))]
+    if key.endswith("press"):  # a kvpress class: "SnapKVPress" = SnapKV + Press -> snapkv_kvpress
+        tries.append(key[: -len("press")] + "kvpress")
+    for k in tries:
+        if k and k in by_fold:
+            return by_fold[k]
+    near = close_match(name, names)
+    hint = f" (did you mean {near!r}?)" if near else ""
+    raise ValueError(f"unknown policy {name!r}{hint}; available: {', '.join(names)}")
+
+
+def name_of(policy: Policy) -> str:
+    """The name results record for a policy object: its preset's name when it equals a preset,
+    else the nearest preset of its class with the hyperparameters that differ, e.g.
+    "snapkv(window=16)"; a class with no preset is named by `Policy.name` (or the class name)."""
+
+    def diff(preset: Policy) -> list[str]:
+        return [f"{f.name}={getattr(policy, f.name)!r}" for f in dataclasses.fields(policy)
+                if f.compare and getattr(policy, f.name) != getattr(preset, f.name)]  # not e.g. an adapter
+
+    same = {n: diff(p) for n, p in _PRESETS.items() if type(p) is type(policy)}
+    if not same:
+        return policy.name if policy.name != Policy.name else type(policy).__name__
+    name = min(same, key=lambda n: (len(same[n]), n != policy.name))
+    return f"{name}({', '.join(same[name])})" if same[name] else name
+
+
 def get(name: str, **overrides: Any) -> Policy:
-    """The preset `name`, with hyperparameters replaced by `overrides` (e.g. get("snapkv", window=16))."""
-    if not isinstance(name, str) or name not in _PRESETS:
-        raise ValueError(f"unknown policy {name!r}; available: {', '.join(available())}")
+    """The preset `name` (any spelling `canonical_name` accepts), with hyperparameters replaced by
+    `overrides` (e.g. get("snapkv", window=16))."""
+    name = canonical_name(name)
     preset = _PRESETS[name]
     fields = {f.name for f in dataclasses.fields(preset)}
     unknown = sorted(set(overrides) - fields)
@@ -70,7 +152,7 @@ def get(name: str, **overrides: Any) -> Policy:
 
 
 def resolve(policy: str | Policy) -> Policy:
-    """A preset name or a policy instance -> a policy instance."""
+    """A preset name (any spelling `canonical_name` accepts) or a policy instance -> a policy instance."""
     if isinstance(policy, str):
         return get(policy)
     if isinstance(policy, Policy):

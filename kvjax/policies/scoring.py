@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.kernels import window_scores
+from kvjax.kernels.reductions import group_reduce_rows
 from kvjax.observations import Observations
 from kvjax.policies.base import check_choice
 
@@ -24,11 +25,15 @@ GQA_REDUCES = ("mean", "max", "sum")
 
 def group_reduce_fn(x: jax.Array, how: str, axis: int) -> jax.Array:
     check_choice("gqa_reduce", how, GQA_REDUCES)
-    return {"mean": jnp.mean, "max": jnp.max, "sum": jnp.sum}[how](x, axis=axis)
+    return group_reduce_rows(x, how, axis)
 
 
 def attention_scale(obs: Observations, head_dim: int, use_model_scale: bool) -> float:
-    """The model's attention scale when the observations carry one (`attn_scale`), else 1/sqrt(d)."""
+    """The model's attention scale when the observations carry one (`attn_scale`, set by the
+    model's `extend`) and `use_model_scale`, else 1/sqrt(d) (kvpress's scorers always use 1/sqrt(d)).
+
+    Llama-family models score with 1/sqrt(head_dim), so there the switch changes nothing; it
+    matters for a model whose softmax scale differs (e.g. a query_pre_attn_scalar)."""
     scale = getattr(obs, "attn_scale", None) if use_model_scale else None
     return float(scale) if scale is not None else head_dim**-0.5
 

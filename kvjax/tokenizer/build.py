@@ -20,9 +20,11 @@ import argparse
 import json
 import pathlib
 
-from kvjax.tokenizer.words import ADJECTIVES, NAMES, NOUNS, VERBS
+from kvjax.data import generate, suite_tasks
+from kvjax.data.words import ADJECTIVES, NAMES, NOUNS, VERBS
+from kvjax.tokenizer import TOKENIZER_DIR
 
-DEFAULT_DIR = pathlib.Path(__file__).resolve().parents[1] / "assets" / "tokenizer"
+DEFAULT_DIR = TOKENIZER_DIR
 SPECIAL_TOKENS = ["<pad>", "<s>", "<|end|>", "<|system|>", "<|user|>", "<|assistant|>"]
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}<|end|>\n"
@@ -42,12 +44,10 @@ class _WordCounter:
 
 def corpus(seed: int = 0) -> list[str]:
     """Training texts: synthetic task prompts at a few lengths, with their answers."""
-    from kvjax.eval.tasks import generate_task, task_names  # local: tasks import nothing from here
-
     texts: list[str] = []
-    for task in task_names("synthetic"):
+    for task in suite_tasks("synthetic"):
         for length in (512, 1024, 2048):
-            for s in generate_task(task, _WordCounter(), length, 4, seed=seed + length):
+            for s in generate(task, _WordCounter(), length, 4, seed=seed + length):
                 texts.append(s["context"] + s["question"] + s["answer_prefix"] + " " + " ".join(s["answers"]))
     # The word lists, often enough that each word (after a space) earns its own token.
     # Nouns also follow a hyphen in the ``adjective-noun`` keys, where they carry no leading space.

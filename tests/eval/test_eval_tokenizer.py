@@ -2,12 +2,17 @@
 
 import pathlib
 
+import pytest
+from tokenizers import Tokenizer
+
 from kvjax.eval.prompts import build_prompt, chat_overhead
 from kvjax.eval.tasks import generate_task, task_names
-from kvjax.tokenizer import TOKENIZER_DIR
+from kvjax.models.model import load_tokenizer as model_loader
+from kvjax.tokenizer import TOKENIZER_DIR, load_tokenizer
 from kvjax.tokenizer.build import multi_token_words
 from kvjax.tokenizer.prose import prose_sentences, prose_words
 from kvjax.tokenizer.words import ADJECTIVES, NOUNS, VERBS
+from kvjax.training import bundled
 
 
 def test_loads_with_autotokenizer_and_has_special_tokens(tok):
@@ -59,3 +64,15 @@ def test_prose_is_prefix_stable_and_in_vocabulary():
     assert len(words & allowed) > 300  # the filler really uses the word lists
     assert not any(w.isdigit() for w in words)
     assert "special" not in words and "magic" not in words
+
+
+def test_one_loader_for_checkpoints_and_the_bundled_tokenizer(tmp_path):
+    """kvjax.tokenizer.load_tokenizer serves both uses: its ids match the `tokenizers` file itself,
+    a folder without tokenizer files gives None (token ids only) or a FileNotFoundError naming it."""
+    raw = Tokenizer.from_file(str(TOKENIZER_DIR / "tokenizer.json"))
+    text = "One of the special magic numbers for brave-owl is: 4410527."
+    for loaded in (load_tokenizer(), model_loader(TOKENIZER_DIR), bundled.load_tokenizer()):
+        assert loaded.encode(text, add_special_tokens=False) == raw.encode(text, add_special_tokens=False).ids
+    assert model_loader(tmp_path) is None and load_tokenizer(tmp_path, required=False) is None
+    with pytest.raises(FileNotFoundError, match=str(tmp_path)):
+        load_tokenizer(tmp_path)

@@ -135,3 +135,52 @@ def test_environment_variable_overrides_auto_choice(monkeypatch):
     monkeypatch.setenv("KVJAX_KERNEL_IMPLEMENTATION", "cuda")
     with pytest.raises(ValueError, match="pallas_gpu"):
         _common.resolve_implementation(None)
+
+
+def test_every_op_has_a_complete_table():
+    for api in (window_api, column_api, decode_api):
+        assert set(api.TABLE.implementations) == set(kernels.IMPLEMENTATIONS)
+
+
+def test_a_sequence_takes_the_first_available(monkeypatch):
+    """Without Triton, ("pallas_gpu", "xla") falls back to xla; the auto choice on GPU too."""
+    monkeypatch.delenv(_common.ENV_VAR, raising=False)
+    monkeypatch.setattr(_compat, "HAS_TRITON", False)
+    assert _common.resolve_implementation(("pallas_gpu", "xla")) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert _common.resolve_implementation(None) == "xla"
+    monkeypatch.setattr(_compat, "HAS_TRITON", True)
+    assert _common.resolve_implementation(("pallas_gpu", "xla")) == "pallas_gpu"
+    monkeypatch.setenv(_common.ENV_VAR, "pallas_tpu, xla")
+    assert _common.resolve_implementation(None) == "pallas_tpu"
+
+
+def test_nothing_available_lists_asked_tried_and_available(monkeypatch):
+    monkeypatch.setattr(_compat, "HAS_TRITON", False)
+    q, k, qpos, kpos = tiny()
+    with pytest.raises(RuntimeError) as err:
+        kernels.column_mass(q, k, qpos, kpos, scale=1.0, implementation="pallas_gpu")
+    msg = str(err.value)
+    assert "column_mass" in msg and "implementation='pallas_gpu'" in msg and "Triton" in msg
+    assert msg.endswith("available here: xla, pallas_tpu, interpret")
+    with pytest.raises(ValueError, match="implementation"):
+        _common.resolve_implementation(())
+
+
+def test_shared_reductions_against_numpy():
+    from kvjax.kernels import reductions
+    from kvjax.policies.scoring import group_reduce_fn
+
+    rng = np.random.default_rng(0)
+    p = rng.dirichlet(np.ones(7), size=(2, 3)).astype(np.float32)  # [2, 3 members, 7 keys]
+    expect = {"sum": p, "sumsq": p ** 2, "entropy": -p * np.log(p + 1e-10)}
+    for moment, ref in expect.items():
+        np.testing.assert_allclose(np.asarray(reductions.moment_contribution(moment, jnp.asarray(p))), ref,
+                                   rtol=1e-6)
+    for how, fn in (("mean", np.mean), ("sum", np.sum), ("max", np.max)):
+        ref = fn(p, axis=1)
+        np.testing.assert_allclose(np.asarray(group_reduce_fn(jnp.asarray(p), how, axis=1)), ref, rtol=1e-6)
+        rows = [jnp.asarray(p[:, g]) for g in range(3)]
+        if how != "max":  # the kernels hand "sum" / "mean" one row already summed over the group
+            rows = [sum(rows[1:], rows[0])]
+        np.testing.assert_allclose(np.asarray(reductions.combine_group_rows(rows, how, 3)), ref, rtol=1e-6)

@@ -13,6 +13,9 @@ from kvjax.observations import Observations
 HQ, HKV, D = 8, 2, 8
 G = HQ // HKV
 LENGTHS = (29, 17, 23)
+E = 16  # model width of the stand-in output projection
+QUERY_STATS_FROM = 4  # ExpectedAttention's default n_sink
+INV_FREQ = tuple(float(x) for x in 1.0 / 10000.0 ** (np.arange(0, D, 2) / D))
 
 
 @dataclasses.dataclass
@@ -30,6 +33,8 @@ class Inputs:
     mass: np.ndarray
     cache: KVCache
     obs: Observations
+    v: np.ndarray | None = None  # [L,B,Hkv,S,D]
+    wo: np.ndarray | None = None  # [L,Hq*D,E] stand-in output projection
 
     @property
     def num_layers(self) -> int:
@@ -49,6 +54,33 @@ def causal_column_mass(q: np.ndarray, k: np.ndarray, lengths) -> np.ndarray:
                 p /= p.sum(-1, keepdims=True)
                 out[l, b, h // G, :t] += p.sum(0)
     return out
+
+
+def output_norms_np(v: np.ndarray, wo: np.ndarray, lengths) -> np.ndarray:
+    """Engine observation (float64 NumPy): group mean over query heads g of ||v_j W_o^g||_1, [L,B,Hkv,S]."""
+    L, B, _, S, _ = v.shape
+    out = np.zeros((L, B, HKV, S))
+    for l in range(L):
+        for b, t in enumerate(lengths):
+            for h in range(HQ):
+                proj = v[l, b, h // G, :t].astype(np.float64) @ wo[l, h * D:(h + 1) * D].astype(np.float64)
+                out[l, b, h // G, :t] += np.abs(proj).sum(-1) / G
+    return out
+
+
+def query_stats_np(q: np.ndarray, lengths, start: int) -> tuple[np.ndarray, np.ndarray]:
+    """Engine observation: mean [L,B,Hq,D] and biased covariance [L,B,Hq,D,D] of q at positions start..T-1."""
+    L, B, Hq, _, _ = q.shape
+    mean, cov = np.zeros((L, B, Hq, D)), np.zeros((L, B, Hq, D, D))
+    for l in range(L):
+        for b, t in enumerate(lengths):
+            x = q[l, b, :, start:t].astype(np.float64)  # [Hq, n, D]
+            if x.shape[1] == 0:
+                continue
+            mean[l, b] = x.mean(1)
+            c = x - mean[l, b][:, None]
+            cov[l, b] = np.einsum("hnd,hne->hde", c, c) / x.shape[1]
+    return mean, cov
 
 
 def make_inputs(
@@ -98,13 +130,21 @@ def build(q, k, v, lengths, slots, window) -> Inputs:
     idx = np.maximum(wpos, 0)
     wq = np.take_along_axis(q, idx[None, :, None, :, None], axis=3)
     mass = causal_column_mass(q, k, lengths)
+    wo = np.random.default_rng(1234).normal(size=(L, HQ * D, E)).astype(np.float32) / 4
+    qmean, qcov = query_stats_np(q, lengths, QUERY_STATS_FROM)  # q doubles as the pre-RoPE queries
     obs = Observations(
         window_queries=jnp.asarray(wq),
         window_positions=jnp.asarray(np.where(wpos >= 0, wpos, -1).astype(np.int32)),
         column_mass=jnp.asarray(mass.astype(np.float32)),
         lengths=jnp.asarray(lens.astype(np.int32)),
+        output_norms=jnp.asarray(output_norms_np(v, wo, lengths).astype(np.float32)),
+        query_mean=jnp.asarray(qmean.astype(np.float32)),
+        query_cov=jnp.asarray(qcov.astype(np.float32)),
+        rope_inv_freq=INV_FREQ,
+        # a stand-in for KVzip's reconstruction scores: a per-slot function of the key (row-independent)
+        reconstruction=jnp.asarray(np.where(valid4, 1 / (1 + np.exp(-k[..., 0] - k[..., 1])), 0).astype(np.float32)),
     )
-    return Inputs(q=q, k=k, lengths=tuple(lengths), window=window, mass=mass, cache=cache, obs=obs)
+    return Inputs(q=q, k=k, lengths=tuple(lengths), window=window, mass=mass, cache=cache, obs=obs, v=v, wo=wo)
 
 
 def kept_positions(keep: np.ndarray, pos: np.ndarray) -> dict[tuple[int, int, int], set[int]]:

@@ -18,7 +18,11 @@ from kvjax.policies import (
     Ada,
     AdaPyramidKV,
     AdaSnapKV,
+    CriticalKV,
+    DefensiveKV,
+    ExpectedAttention,
     H2OPrefill,
+    KVzip,
     KNorm,
     LazyEviction,
     PyramidKV,
@@ -52,12 +56,30 @@ POLICIES = {
     "streaming_llm": StreamingLLM(),
     "streaming_llm_kvpress": get("streaming_llm_kvpress"),
     "lazy_eviction": LazyEviction(window=4),
+    "cake_cascade": CAKE(window=4, cascade=True),
+    "expected_attention": ExpectedAttention(n_future_positions=8),
+    "expected_attention_kvpress": get("expected_attention_kvpress", n_future_positions=8),
+    "ada_expected_attention": get("ada_expected_attention", n_future_positions=8),
+    "ada_expected_attention_kvpress": get("ada_expected_attention_kvpress", n_future_positions=8),
+    "critical_snapkv": CriticalKV(scorer=SnapKV(window=4)),
+    "critical_ada_snapkv": CriticalKV(scorer=AdaSnapKV(window=4)),
+    "critical_snapkv_kvpress": get("critical_snapkv_kvpress", scorer=get("snapkv_kvpress", window=4)),
+    "critical_adakv_snapkv_kvpress": get("critical_adakv_snapkv_kvpress", scorer=get("adakv_snapkv_kvpress", window=4)),
+    "defensivekv": DefensiveKV(window=4),
+    "layer_defensivekv": DefensiveKV(window=4, layer_wise=True),
+    "kvzip": KVzip(),
+    "kvzip_kvpress": get("kvzip_kvpress"),
 }
 
 
 def protected_of(policy, T, C):
     """Positions a policy must keep at prefill (given the count C it keeps), or an empty set."""
-    if isinstance(policy, (SnapKV, CAKE, H2OPrefill)):
+    if isinstance(policy, CriticalKV):
+        return protected_of(policy.scorer, T, C)
+    if isinstance(policy, (ExpectedAttention, KVzip)):  # sinks; a count below them keeps the most recent ones
+        n = min(policy.n_sink, T)
+        return set(range(n - min(n, C), n))
+    if isinstance(policy, (SnapKV, CAKE, H2OPrefill, DefensiveKV)):
         w = policy.window
         return set(range(T - min(w, C), T)) if w else set()
     if isinstance(policy, StreamingLLM):  # a count below the sinks keeps the most recent ones (§1.6)
@@ -88,7 +110,8 @@ def traced(plan):
 def budget_args(policy, data):
     if getattr(policy, "rule", "paper") == "kvpress":
         return None, data.draw(st.sampled_from([0.1, 0.25, 0.3, 0.5, 0.75, 0.8, 0.9]), label="ratio")
-    low = {SnapKV: 5, CAKE: 5, H2OPrefill: 5, StreamingLLM: 5, LazyEviction: 4, H2O: 2}
+    low = {SnapKV: 5, CAKE: 5, H2OPrefill: 5, StreamingLLM: 5, LazyEviction: 4, H2O: 2, ExpectedAttention: 5,
+           DefensiveKV: 5, CriticalKV: 5, KVzip: 5}
     lo = next((v for k, v in low.items() if isinstance(policy, k)), 1)
     return data.draw(st.integers(lo, 34), label="budget"), None
 
@@ -123,8 +146,9 @@ def test_prefill_properties(name, data):
         if alloc.rule == "kvpress":  # exactly Hkv * n_kept survive per layer
             np.testing.assert_array_equal(total, HKV * nominal)
         else:  # sum_h round(count_h (1-a) + F) with sum_h count_h = Hkv B', B' = C - w
-            bp = nominal - policy.window
-            want = HKV * (bp * (1 - alloc.alpha) + floor + policy.window)
+            w = policy.protected_count()
+            bp = nominal - w
+            want = HKV * (bp * (1 - alloc.alpha) + floor + w)
             assert (np.abs(np.where(floor >= 0, total - want, 0)) <= HKV / 2 + 1e-9).all()
     assert counts.max() <= plan.capacity
 
@@ -154,7 +178,8 @@ def test_budget_at_or_above_prompt_changes_nothing(name, data):
     seed = data.draw(st.integers(0, 2**16), label="seed")
     # Two documented exceptions need one more token: Ada-KV compresses when C - w == T - w
     # (its rule is B' > T - w), and decode-time StreamingLLM frees a slot for the next write.
-    extra = 1 if isinstance(policy, (AdaSnapKV, AdaPyramidKV, StreamingLLM)) and policy.rule == "paper" else 0
+    ada = isinstance(getattr(policy, "budget_allocator", lambda: None)(), Ada)
+    extra = 1 if (ada or isinstance(policy, StreamingLLM)) and policy.rule == "paper" else 0
     budget = max(lengths) + extra + data.draw(st.integers(0, 3), label="over")
     inp, plan, keep = run(policy, seed, lengths, budget, None)
     np.testing.assert_array_equal(keep, np.asarray(inp.cache.valid))

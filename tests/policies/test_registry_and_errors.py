@@ -29,8 +29,12 @@ from kvjax.policies import (
 
 PRESETS = {
     "ada_pyramidkv", "ada_snapkv", "adakv_snapkv_kvpress", "cake", "h2o", "h2o_prefill", "knorm", "knorm_kvpress",
-    "lazy_eviction", "observed_attention_kvpress", "pyramidkv", "pyramidkv_kvpress", "random", "snapkv",
+    "lazy_eviction", "lookahead_kv", "observed_attention_kvpress", "pyramidkv", "pyramidkv_kvpress", "random", "snapkv",
     "snapkv_kvpress", "streaming_llm", "streaming_llm_kvpress", "tova", "tova_kvpress",
+    # issue 15: the strongest scorers of 2025-26
+    "ada_expected_attention", "ada_expected_attention_kvpress", "cake_cascade", "critical_ada_snapkv",
+    "critical_adakv_snapkv_kvpress", "critical_snapkv", "critical_snapkv_kvpress", "defensivekv", "expected_attention",
+    "expected_attention_kvpress", "kvzip", "kvzip_kvpress", "layer_defensivekv",
 }
 
 

@@ -11,15 +11,19 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from kvjax.eval.tasks.base import Options, Sample, TaskSkipped, TokenizerLike, check_length, check_num_samples
+from kvjax.data import GENERATORS, RULER_TASKS, run_builder
+from kvjax.data import SUITES as SYNTHETIC_SUITES
+from kvjax.data.base import Options, Sample, TaskSkipped, TokenizerLike, check_length, check_num_samples  # noqa: F401
+from kvjax.data.niah_grid import niah_grid, passkey  # noqa: F401
+from kvjax.data.qa import qa  # noqa: F401
+from kvjax.data.ruler import NIAH_TASKS, cwe, fwe, niah, vt  # noqa: F401
 from kvjax.eval.tasks.fidelity import fidelity
 from kvjax.eval.tasks.longbench import TASKS as LONGBENCH_TASKS
 from kvjax.eval.tasks.longbench import longbench
 from kvjax.eval.tasks.math import TASKS as MATH_TASKS
 from kvjax.eval.tasks.math import math_task
-from kvjax.eval.tasks.niah_grid import niah_grid, passkey
-from kvjax.eval.tasks.qa import qa
-from kvjax.eval.tasks.ruler import NIAH_TASKS, cwe, fwe, niah, vt
+
+_METRICS = {"qa_1": "string_match_part", "qa_2": "string_match_part", "niah_grid": "rouge1"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,18 +37,8 @@ class TaskInfo:
 
 def _registry() -> dict[str, TaskInfo]:
     reg: dict[str, TaskInfo] = {}
-    for name, spec in NIAH_TASKS.items():
-        what = f"{spec.k} key(s) x {spec.v} value(s), {spec.q} query, {spec.haystack} haystack"
-        reg[name] = TaskInfo(name, "ruler", "string_match_all", niah, f"RULER needle: {what}")
-    reg["vt"] = TaskInfo("vt", "ruler", "string_match_all", vt, "RULER variable tracking (1 chain, 4 hops)")
-    reg["cwe"] = TaskInfo("cwe", "ruler", "string_match_all", cwe, "RULER common words extraction")
-    reg["fwe"] = TaskInfo("fwe", "ruler", "string_match_all", fwe, "RULER frequent words extraction")
-    reg["qa_1"] = TaskInfo("qa_1", "ruler", "string_match_part", qa, "RULER QA on SQuAD v2 (needs --data squad=PATH)")
-    reg["qa_2"] = TaskInfo("qa_2", "ruler", "string_match_part", qa,
-                           "RULER QA on HotpotQA (needs --data hotpotqa=PATH)")
-    reg["niah_grid"] = TaskInfo("niah_grid", "niah_grid", "rouge1", niah_grid,
-                                "needle-in-a-haystack over lengths x depths (heatmap)")
-    reg["passkey"] = TaskInfo("passkey", "passkey", "string_match_all", passkey, "5-digit pass key in noise")
+    for name, gen in GENERATORS.items():  # the synthetic generators of kvjax.data
+        reg[name] = TaskInfo(name, gen.family, _METRICS.get(name, "string_match_all"), gen.builder, gen.description)
     for name, (metric, _) in LONGBENCH_TASKS.items():
         reg[f"longbench/{name}"] = TaskInfo(f"longbench/{name}", "longbench", metric, longbench,
                                             f"LongBench {name} (--data longbench=DIR)")
@@ -56,11 +50,8 @@ def _registry() -> dict[str, TaskInfo]:
 
 
 TASKS: dict[str, TaskInfo] = _registry()
-RULER_TASKS = [*NIAH_TASKS, "vt", "cwe", "fwe", "qa_1", "qa_2"]
 SUITES: dict[str, list[str]] = {
-    "default": [*NIAH_TASKS, "vt"],
-    "ruler": RULER_TASKS,
-    "synthetic": [*NIAH_TASKS, "vt", "cwe", "fwe", "niah_grid", "passkey"],
+    **SYNTHETIC_SUITES,
     "longbench": [f"longbench/{n}" for n in LONGBENCH_TASKS],
     "math": list(MATH_TASKS),
 }
@@ -105,13 +96,10 @@ def generate_task(name: str, tokenizer: TokenizerLike | None, context_length: in
     """
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(TASKS)}")
-    check_length(context_length)
-    check_num_samples(num_samples)
     info = TASKS[name]
-    if tokenizer is None and info.family != "fidelity":
-        raise TaskSkipped(f"{name} needs a tokenizer, and this model has none (only 'fidelity' runs on token ids)")
-    opts = Options(tokenizer, context_length, num_samples, seed=seed, overhead=overhead, data=data, words=words)
-    return info.builder(name, opts, **task_options)
+    return run_builder(info.builder, name, tokenizer, context_length, num_samples,
+                       needs_tokenizer=info.family != "fidelity", seed=seed, overhead=overhead, data=data,
+                       words=words, **task_options)
 
 
-__all__ = ["SUITES", "TASKS", "Sample", "TaskInfo", "TaskSkipped", "generate_task", "resolve_tasks", "task_names"]
+__all__ = ["RULER_TASKS", "SUITES", "TASKS", "Sample", "TaskInfo", "TaskSkipped", "generate_task", "resolve_tasks", "task_names"]

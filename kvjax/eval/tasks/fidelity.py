@@ -18,8 +18,8 @@ import pathlib
 
 import numpy as np
 
-from kvjax.eval.tasks.base import Options, Sample, TaskSkipped, encode
-from kvjax.tokenizer.prose import ProseStream
+from kvjax.data.base import Options, Sample, TaskSkipped, encode
+from kvjax.data.prose import ProseStream
 
 CONTINUATION_TOKENS = 32
 

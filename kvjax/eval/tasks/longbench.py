@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from kvjax.eval.tasks.base import LengthFitter, Options, Sample, TaskSkipped, decode, encode
+from kvjax.data.base import LengthFitter, Options, Sample, TaskSkipped, decode, encode
 
 _QA = "Answer the question based on the given passages. Only give me the answer and do not output any other words."
 # task -> (template, question marker or None, answer prefix). Templates verbatim from dataset2prompt.json.

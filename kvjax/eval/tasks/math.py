@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from kvjax.eval.tasks.base import LengthFitter, Options, Sample, TaskSkipped
+from kvjax.data.base import LengthFitter, Options, Sample, TaskSkipped
 
 SYSTEM = "You are a helpful assistant."
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{{}}.\n{question}"

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
 
-from kvjax.kernels import _common
+from kvjax.kernels import _common, _dispatch
 from kvjax.kernels.column_mass import pallas_gpu, pallas_tpu, reference
+
+TABLE = _dispatch.table("column_mass", xla=reference, pallas_tpu=pallas_tpu, pallas_gpu=pallas_gpu)
 
 
 def column_mass(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
                 key_positions: jax.Array, *, scale: float, lse: jax.Array | None = None,
-                implementation: str | None = None) -> jax.Array:
+                implementation: str | Sequence[str] | None = None) -> jax.Array:
     """Attention mass that every causal prompt query puts on each key, summed over the group.
 
     Args:
@@ -22,12 +26,13 @@ def column_mass(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
       scale: softmax scale applied to q.k.
       lse: optional [B,Hq,T] float32 log-sum-exp of each query's visible logits (from the flash
         pass); computed by a first pass when None.
-      implementation: None | "xla" | "pallas_tpu" | "pallas_gpu" | "interpret".
+      implementation: None | "xla" | "pallas_tpu" | "pallas_gpu" | "interpret", or a sequence of them
+        (the first available; see kvjax.kernels._dispatch).
 
     Returns float32 [B,Hkv,S]: sum over queries i and group members g of softmax_i(s)[j], where
     query i sees key j iff 0 <= key_positions[j] <= query_positions[i].
     """
-    impl = _common.resolve_implementation(implementation)
+    impl = TABLE.resolve(implementation)
     scale = _common.check_scale(scale)
     b, hkv, g, _ = _common.check_qk(queries, keys)
     t = queries.shape[2]
@@ -43,9 +48,4 @@ def column_mass(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
     queries, keys = queries.astype(dtype), keys.astype(dtype)
     query_positions = query_positions.astype(jnp.int32)
     key_positions = key_positions.astype(jnp.int32)
-    if impl == "xla":
-        return reference.column_mass(queries, keys, query_positions, key_positions, scale=scale, lse=lse)
-    if impl == "pallas_gpu":
-        return pallas_gpu.column_mass(queries, keys, query_positions, key_positions, scale=scale, lse=lse)
-    return pallas_tpu.column_mass(queries, keys, query_positions, key_positions, scale=scale, lse=lse,
-                                  interpret=(impl == "interpret"))
+    return TABLE[impl](queries, keys, query_positions, key_positions, scale=scale, lse=lse)

@@ -68,13 +68,8 @@ def log_sum_exp(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
 
     What a flash pass would hand to ``column_mass``; materialises [B,Hq,T,S] (tests, small sizes).
     """
-    b, hq, t, d = queries.shape
-    hkv = keys.shape[1]
-    q = queries.reshape(b, hkv, hq // hkv, t, d)
-    logits = jnp.einsum("bhgtd,bhsd->bhgts", q, keys, precision=lax.Precision.HIGHEST,
-                        preferred_element_type=jnp.float32) * scale
-    kpos = key_positions[:, :, None, None, :]
-    visible = (kpos >= 0) & (kpos <= query_positions[:, None, None, :, None])
+    b, hq, t, _ = queries.shape
+    logits, visible = _common.grouped_logits(queries, keys, query_positions, key_positions, scale=scale)
     masked = jnp.where(visible, logits, -jnp.inf)
     lse = jax.nn.logsumexp(masked, axis=-1)
     return jnp.where(jnp.isfinite(lse), lse, 0.0).reshape(b, hq, t)

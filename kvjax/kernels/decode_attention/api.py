@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 
-from kvjax.kernels import _common
+from kvjax.kernels import _common, _dispatch
 from kvjax.kernels.decode_attention import pallas_gpu, pallas_tpu, reference
+
+TABLE = _dispatch.table("decode_attention", xla=reference, pallas_tpu=pallas_tpu, pallas_gpu=pallas_gpu)
 
 
 def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, valid: jax.Array, *,
-                     scale: float, implementation: str | None = None) -> tuple[jax.Array, jax.Array]:
+                     scale: float, implementation: str | Sequence[str] | None = None
+                     ) -> tuple[jax.Array, jax.Array]:
     """One decode step of attention over a masked cache of fixed capacity.
 
     Args:
@@ -18,12 +23,13 @@ def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, valid
       valid: [B,Hkv,S] bool; invalid slots are never attended and their contents never read into
         the result (they may hold stale data or NaN).
       scale: softmax scale applied to q.k.
-      implementation: None | "xla" | "pallas_tpu" | "pallas_gpu" | "interpret".
+      implementation: None | "xla" | "pallas_tpu" | "pallas_gpu" | "interpret", or a sequence of them
+        (the first available; see kvjax.kernels._dispatch).
 
     Returns (out [B,Hq,D] in the query dtype, probs [B,Hkv,G,S] float32 softmax over valid slots,
     zero on invalid ones). A row with no valid slot gives out = 0 and probs = 0.
     """
-    impl = _common.resolve_implementation(implementation)
+    impl = TABLE.resolve(implementation)
     scale = _common.check_scale(scale)
     _common.check_array("query", query, 3, "float")
     _common.check_array("keys", keys, 4, "float")
@@ -38,8 +44,4 @@ def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, valid
     _common.check_dims("valid", valid.shape, (b, hkv, s), "[B,Hkv,S]")
     dtype = _common.common_dtype(keys, values)
     keys, values = keys.astype(dtype), values.astype(dtype)
-    if impl == "xla":
-        return reference.decode_attention(query, keys, values, valid, scale=scale)
-    if impl == "pallas_gpu":
-        return pallas_gpu.decode_attention(query, keys, values, valid, scale=scale)
-    return pallas_tpu.decode_attention(query, keys, values, valid, scale=scale, interpret=(impl == "interpret"))
+    return TABLE[impl](query, keys, values, valid, scale=scale)

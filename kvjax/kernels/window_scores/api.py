@@ -7,13 +7,16 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 
-from kvjax.kernels import _common
+from kvjax.kernels import _common, _dispatch
 from kvjax.kernels.window_scores import pallas_gpu, pallas_tpu, reference
+
+TABLE = _dispatch.table("window_scores", xla=reference, pallas_tpu=pallas_tpu, pallas_gpu=pallas_gpu)
 
 
 def window_scores(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
                   key_positions: jax.Array, *, scale: float, group_reduce: str | None = "mean",
-                  moments: Sequence[str] = ("sum",), implementation: str | None = None) -> dict[str, jax.Array]:
+                  moments: Sequence[str] = ("sum",),
+                  implementation: str | Sequence[str] | None = None) -> dict[str, jax.Array]:
     """Attention mass that a window of queries puts on every key, per KV head.
 
     Args:
@@ -24,13 +27,14 @@ def window_scores(queries: jax.Array, keys: jax.Array, query_positions: jax.Arra
       scale: softmax scale applied to q.k.
       group_reduce: "mean" | "sum" | "max" over the G query heads of a KV group, or None to keep them.
       moments: names among "sum" (sum_i p), "sumsq" (sum_i p^2), "entropy" (-sum_i p log(p + 1e-10)).
-      implementation: None (Pallas on TPU/GPU, XLA on CPU), "xla", "pallas_tpu", "pallas_gpu", "interpret".
+      implementation: None (Pallas on TPU/GPU, XLA on CPU), "xla", "pallas_tpu", "pallas_gpu", "interpret",
+        or a sequence of them (the first available; see kvjax.kernels._dispatch).
 
     Query i sees key j iff 0 <= key_positions[j] <= query_positions[i]; the softmax runs over those
     keys in float32. Returns {moment: float32 [B,Hkv,S]} ([B,Hkv,G,S] when group_reduce is None);
     keys no query sees get 0 and a query that sees no key contributes 0.
     """
-    impl = _common.resolve_implementation(implementation)
+    impl = TABLE.resolve(implementation)
     scale = _common.check_scale(scale)
     moments = _common.check_moments(moments)
     group_reduce = _common.check_group_reduce(group_reduce)
@@ -43,10 +47,5 @@ def window_scores(queries: jax.Array, keys: jax.Array, query_positions: jax.Arra
     queries, keys = queries.astype(dtype), keys.astype(dtype)
     query_positions = query_positions.astype(jnp.int32)
     key_positions = key_positions.astype(jnp.int32)
-    kwargs = dict(scale=scale, group_reduce=group_reduce, moments=moments)
-    if impl == "xla":
-        return reference.window_scores(queries, keys, query_positions, key_positions, **kwargs)
-    if impl == "pallas_gpu":
-        return pallas_gpu.window_scores(queries, keys, query_positions, key_positions, **kwargs)
-    return pallas_tpu.window_scores(queries, keys, query_positions, key_positions,
-                                    interpret=(impl == "interpret"), **kwargs)
+    return TABLE[impl](queries, keys, query_positions, key_positions, scale=scale, group_reduce=group_reduce,
+                       moments=moments)

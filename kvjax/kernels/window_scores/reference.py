@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from kvjax.kernels import _common
 
@@ -16,13 +15,7 @@ from kvjax.kernels import _common
 def window_probs(queries: jax.Array, keys: jax.Array, query_positions: jax.Array,
                  key_positions: jax.Array, *, scale: float) -> jax.Array:
     """Causal float32 softmax of the window queries: [B,Hkv,G,w,S], zeros where not visible."""
-    b, hq, w, d = queries.shape
-    hkv = keys.shape[1]
-    q = queries.reshape(b, hkv, hq // hkv, w, d)
-    s = jnp.einsum("bhgwd,bhsd->bhgws", q, keys, precision=lax.Precision.HIGHEST,
-                   preferred_element_type=jnp.float32) * scale
-    kpos = key_positions[:, :, None, None, :]
-    visible = (kpos >= 0) & (kpos <= query_positions[:, None, None, :, None])
+    s, visible = _common.grouped_logits(queries, keys, query_positions, key_positions, scale=scale)
     return _common.masked_softmax(s, visible)
 
 
@@ -34,11 +27,6 @@ def window_scores(queries: jax.Array, keys: jax.Array, query_positions: jax.Arra
     p = window_probs(queries.astype(dtype), keys.astype(dtype), query_positions, key_positions, scale=scale)
     out = {}
     for moment in moments:
-        if moment == "sum":
-            c = p
-        elif moment == "sumsq":
-            c = p * p
-        else:
-            c = -p * jnp.log(p + _common.ENTROPY_EPS)
+        c = _common.moment_contribution(moment, p)
         out[moment] = _common.group_reduce_rows(jnp.sum(c, axis=3), group_reduce, axis=2)
     return out

@@ -1,0 +1,97 @@
+"""Task data: the synthetic long-context task generators shared by eval, training and the tokenizer builder.
+
+RULER's 13 tasks (``ruler``; qa_1 / qa_2 read local SQuAD / HotpotQA files), the needle grid and
+passkey (``niah_grid``), their haystacks, word lists and built-in prose, the prompt templates,
+the canonical completions (``targets``) and the prompt rendering every consumer shares
+(``prompts``). A sample is a plain dict (``base.Sample``); `generate` fits it to a tokenizer and a
+context length. This package imports nothing from kvjax.eval, kvjax.training or kvjax.engine.
+
+Suites: ``default`` (the 8 RULER needle tasks and vt: the bundled model's), ``ruler`` (all 13),
+``synthetic`` (every task generated from code alone).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from kvjax.data.base import Options, Sample, TaskSkipped, TokenizerLike, check_length, check_num_samples
+from kvjax.data.niah_grid import niah_grid, passkey
+from kvjax.data.qa import qa
+from kvjax.data.ruler import NIAH_TASKS, cwe, fwe, niah, vt
+
+
+@dataclasses.dataclass(frozen=True)
+class Generator:
+    """A task generator: ``builder(name, Options, **task_options) -> list[Sample]``."""
+
+    name: str
+    family: str  # ruler | niah_grid | passkey
+    builder: Callable[..., list[Sample]]
+    description: str
+
+
+def _generators() -> dict[str, Generator]:
+    reg: dict[str, Generator] = {}
+    for name, spec in NIAH_TASKS.items():
+        what = f"{spec.k} key(s) x {spec.v} value(s), {spec.q} query, {spec.haystack} haystack"
+        reg[name] = Generator(name, "ruler", niah, f"RULER needle: {what}")
+    reg["vt"] = Generator("vt", "ruler", vt, "RULER variable tracking (1 chain, 4 hops)")
+    reg["cwe"] = Generator("cwe", "ruler", cwe, "RULER common words extraction")
+    reg["fwe"] = Generator("fwe", "ruler", fwe, "RULER frequent words extraction")
+    reg["qa_1"] = Generator("qa_1", "ruler", qa, "RULER QA on SQuAD v2 (needs --data squad=PATH)")
+    reg["qa_2"] = Generator("qa_2", "ruler", qa, "RULER QA on HotpotQA (needs --data hotpotqa=PATH)")
+    reg["niah_grid"] = Generator("niah_grid", "niah_grid", niah_grid,
+                                 "needle-in-a-haystack over lengths x depths (heatmap)")
+    reg["passkey"] = Generator("passkey", "passkey", passkey, "5-digit pass key in noise")
+    return reg
+
+
+GENERATORS: dict[str, Generator] = _generators()
+RULER_TASKS = [*NIAH_TASKS, "vt", "cwe", "fwe", "qa_1", "qa_2"]
+SUITES: dict[str, list[str]] = {
+    "default": [*NIAH_TASKS, "vt"],
+    "ruler": RULER_TASKS,
+    "synthetic": [*NIAH_TASKS, "vt", "cwe", "fwe", "niah_grid", "passkey"],
+}
+
+
+def suite_tasks(suite: str) -> list[str]:
+    """The task names of ``suite``; ValueError listing the suites otherwise."""
+    if suite not in SUITES:
+        raise ValueError(f"unknown suite {suite!r}; valid suites: {', '.join(SUITES)}")
+    return list(SUITES[suite])
+
+
+def run_builder(builder: Callable[..., list[Sample]], name: str, tokenizer: TokenizerLike | None,
+                context_length: int, num_samples: int, *, needs_tokenizer: bool = True, seed: int = 42,
+                overhead: int = 0, data: dict[str, str] | None = None, words: str = "builtin",
+                **task_options: Any) -> list[Sample]:
+    """Checks the shared arguments and calls ``builder(name, Options(...), **task_options)``."""
+    check_length(context_length)
+    check_num_samples(num_samples)
+    if tokenizer is None and needs_tokenizer:
+        raise TaskSkipped(f"{name} needs a tokenizer, and this model has none (only 'fidelity' runs on token ids)")
+    opts = Options(tokenizer, context_length, num_samples, seed=seed, overhead=overhead, data=data, words=words)
+    return builder(name, opts, **task_options)
+
+
+def generate(name: str, tokenizer: TokenizerLike, context_length: int, num_samples: int, *,
+             seed: int = 42, overhead: int = 0, data: dict[str, str] | None = None, words: str = "builtin",
+             **task_options: Any) -> list[Sample]:
+    """Samples of synthetic task ``name`` fitted to ``tokenizer`` and ``context_length``.
+
+    overhead: tokens the chat template adds around one user turn (`prompts.chat_overhead`).
+    data: local files by name (essay, squad, hotpotqa). words: "builtin" or "wonderwords" key and
+    common-word lists. task_options: niah_grid takes lengths, depths, haystack.
+    Raises TaskSkipped (with the reason) when the task cannot run here.
+    """
+    if name not in GENERATORS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(GENERATORS)}")
+    return run_builder(GENERATORS[name].builder, name, tokenizer, context_length, num_samples, seed=seed,
+                       overhead=overhead, data=data, words=words, **task_options)
+
+
+__all__ = ["GENERATORS", "RULER_TASKS", "SUITES", "Generator", "Options", "Sample", "TaskSkipped",
+           "TokenizerLike", "generate", "run_builder", "suite_tasks"]

@@ -1,0 +1,38 @@
+"""LookaheadKV modules (policies.md §11): learned lookahead tokens plus a LoRA active only on their rows.
+
+- `LookaheadConfig`; `Adapter` (params pytree + config + model dimensions); `init_adapter`,
+  `save`, `load` (safetensors + JSON; "bundled" is the bundled model's adapter).
+- `predicted_attention` (s̃), `response_attention` (s_GT), `kl_loss`, `loss_fn`: the training math.
+
+The model knows nothing of these modules beyond the row-masked adapter hook of `extend`.
+"""
+
+from kvjax.lookahead.adapter import BUNDLED, Adapter, ModelInfo, init_adapter, load, save
+from kvjax.lookahead.attention import (
+    adapter_hook,
+    check_positions,
+    lookahead_mass,
+    predicted_attention,
+    response_attention,
+)
+from kvjax.lookahead.config import PROJECTIONS, LookaheadConfig
+from kvjax.lookahead.loss import kl_loss, loss_fn, prompt_cache
+
+__all__ = [
+    "BUNDLED",
+    "PROJECTIONS",
+    "Adapter",
+    "LookaheadConfig",
+    "ModelInfo",
+    "adapter_hook",
+    "check_positions",
+    "init_adapter",
+    "kl_loss",
+    "load",
+    "lookahead_mass",
+    "loss_fn",
+    "predicted_attention",
+    "prompt_cache",
+    "response_attention",
+    "save",
+]

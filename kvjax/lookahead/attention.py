@@ -1,0 +1,102 @@
+"""LookaheadKV's attention quantities (policies.md §11.1, §11.3), computed with the model's `extend`.
+
+Shapes: L layers, B rows, Hq query heads, C cache slots, n lookahead tokens, Y response tokens.
+The prompt cache is a frozen prefill's `KVCache` ([L,B,Hkv,C,D]); row b's prompt has `lengths[b]`
+tokens at positions 0 .. lengths[b]-1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import KVCache
+from kvjax.lookahead.config import LookaheadConfig
+from kvjax.models.config import ModelConfig
+from kvjax.models.llama import extend
+from kvjax.observations import ObservationSpec
+
+RESPONSE_CHUNK = 128  # response tokens fed per step in `response_attention`
+
+
+def check_positions(cfg: ModelConfig, prompt_tokens: int, config: LookaheadConfig) -> None:
+    """ValueError when the lookahead tokens after a prompt of `prompt_tokens` tokens pass the model's positions."""
+    need = int(prompt_tokens) + config.n_tokens
+    if need > cfg.max_position_embeddings:
+        raise ValueError(
+            f"a prompt of {int(prompt_tokens)} tokens plus n_tokens={config.n_tokens} lookahead tokens needs {need} "
+            f"positions, more than the model allows (max_position_embeddings={cfg.max_position_embeddings})")
+
+
+def adapter_hook(adapter_params: dict[str, Any], config: LookaheadConfig, mask: jax.Array) -> dict[str, Any]:
+    """The row-masked LoRA hook `extend` takes: the factors, the row mask [B,n] and alpha / rank."""
+    lora = {p: adapter_params["lora"][p] for p in config.projections}
+    return {"lora": lora, "mask": mask, "scale": config.scale}
+
+
+def lookahead_mass(model_params: dict[str, Any], model_cfg: ModelConfig, adapter_params: dict[str, Any],
+                   config: LookaheadConfig, cache: KVCache, lengths: jax.Array, *, remat: bool = False) -> jax.Array:
+    """Runs the n learned tokens (LoRA on their rows) at positions lengths .. lengths+n-1 against
+    `cache` without storing them; returns their attention mass per query head over the cache slots,
+    summed over the n tokens: [L,B,Hq,C] float32 (the softmax includes the tokens' own causal keys).
+    remat: rematerialise each layer in the backward pass (long prompts in training)."""
+    B = cache.k.shape[1]
+    n = config.n_tokens
+    if not isinstance(lengths, jax.core.Tracer):
+        check_positions(model_cfg, int(jnp.max(lengths)), config)
+    positions = (lengths[:, None] + jnp.arange(n)[None]).astype(jnp.int32)
+    embeds = jnp.broadcast_to(adapter_params["embeddings"][None], (B, n, model_cfg.hidden_size))
+    hook = adapter_hook(adapter_params, config, jnp.ones((B, n), bool))
+    _, _, obs = extend(model_params, model_cfg, cache, None, positions, fresh=False, commit=False,
+                       observe=ObservationSpec(query_mass=True), inputs_embeds=embeds, adapter=hook,
+                       logit_index=jnp.zeros((B, 1), jnp.int32), remat=remat)
+    return obs.query_mass
+
+
+def predicted_attention(model_params: dict[str, Any], model_cfg: ModelConfig, adapter_params: dict[str, Any],
+                        config: LookaheadConfig, cache: KVCache, lengths: jax.Array, *,
+                        remat: bool = False) -> jax.Array:
+    """s̃ (§11.3): per query head, the mean over the n lookahead queries of their attention
+    probabilities over the cache slots (softmax over prompt + causal lookahead keys, then restricted
+    to the prompt slots; empty slots 0). [L,B,Hq,C] float32, differentiable w.r.t. adapter_params."""
+    mass = lookahead_mass(model_params, model_cfg, adapter_params, config, cache, lengths, remat=remat)
+    return mass / config.n_tokens
+
+
+def response_attention(model_params: dict[str, Any], model_cfg: ModelConfig, cache: KVCache,
+                       response_tokens: jax.Array, response_positions: jax.Array, *,
+                       chunk: int = RESPONSE_CHUNK) -> jax.Array:
+    """s_GT (§11.1): per query head, the mean over each row's real response tokens of their attention
+    probabilities over the prompt slots of `cache` ([L,B,Hq,C] float32; 0 on empty slots, and for a
+    row without response tokens).
+
+    response_tokens [B,Y] int32, response_positions [B,Y] int32 (-1 = padding; a real response
+    token continues the prompt, at lengths[b] + t). The response runs as a continuation against the
+    prompt cache, `chunk` tokens per step, so no [T+Y, T+Y] matrix exists.
+    """
+    B, Y = response_tokens.shape
+    C = cache.capacity
+    chunk = max(1, min(int(chunk), Y))
+    steps = -(-Y // chunk)
+    pad = steps * chunk - Y
+    tokens = jnp.pad(response_tokens, ((0, 0), (0, pad)))
+    positions = jnp.pad(response_positions, ((0, 0), (0, pad)), constant_values=-1)
+    prompt = cache.valid[0, :, 0]  # [B, C]: the prompt slots (same for every layer and head after prefill)
+    grown = cache.grow(C + steps * chunk)
+    tok = tokens.reshape(B, steps, chunk).transpose(1, 0, 2)
+    pos = positions.reshape(B, steps, chunk).transpose(1, 0, 2)
+
+    def one(carry, xs):
+        grown, acc = carry
+        t, p = xs
+        _, grown, obs = extend(model_params, model_cfg, grown, t, p, fresh=False,
+                               observe=ObservationSpec(query_mass=True), logit_index=jnp.zeros((B, 1), jnp.int32))
+        return (grown, acc + obs.query_mass[..., :C]), None
+
+    acc0 = jnp.zeros((model_cfg.num_layers, B, model_cfg.num_heads, C), jnp.float32)
+    (_, acc), _ = jax.lax.scan(one, (grown, acc0), (tok, pos))
+    count = jnp.sum(response_positions >= 0, axis=-1).astype(jnp.float32)  # [B]
+    out = acc / jnp.maximum(count, 1.0)[None, :, None, None]
+    return jnp.where(prompt[None, :, None, :], out, 0.0)

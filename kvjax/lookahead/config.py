@@ -1,0 +1,87 @@
+"""`LookaheadConfig`: the hyperparameters of a LookaheadKV adapter (policies.md §11.2-11.3)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+GQA_REDUCES = ("mean", "max")
+POOLINGS = ("max", None)
+
+
+def _int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"LookaheadConfig.{name} must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"LookaheadConfig.{name} must be an int >= {minimum}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LookaheadConfig:
+    """Static description of the learned lookahead tokens and their row-masked LoRA.
+
+    n_tokens: learned embeddings appended after the prompt, at positions T .. T+n-1.
+    rank, alpha: LoRA rank and alpha (the delta is scaled by alpha / rank).
+    projections: the linear layers of every decoder layer that carry a LoRA, a subset of
+      ("q", "k", "v", "o", "gate", "up", "down").
+    gqa_reduce: "mean" or "max" over the query heads of a KV head (scores per KV head).
+    pooling: "max" (kernel `kernel`, odd) or None, along the prompt positions.
+    protect_last: the last prompt tokens always kept (0: none).
+    """
+
+    n_tokens: int = 32
+    rank: int = 8
+    alpha: float = 32.0
+    projections: tuple[str, ...] = PROJECTIONS
+    gqa_reduce: str = "mean"
+    pooling: str | None = "max"
+    kernel: int = 7
+    protect_last: int = 0
+
+    def __post_init__(self) -> None:
+        _int("n_tokens", self.n_tokens, 1)
+        _int("rank", self.rank, 1)
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
+            raise ValueError(f"LookaheadConfig.alpha must be a positive float, got {self.alpha!r}")
+        object.__setattr__(self, "alpha", float(self.alpha))
+        if isinstance(self.projections, str) or not isinstance(self.projections, (tuple, list)):
+            raise TypeError(f"LookaheadConfig.projections must be a tuple of names from {PROJECTIONS}, "
+                            f"got {self.projections!r}")
+        bad = [p for p in self.projections if p not in PROJECTIONS]
+        if bad or len(set(self.projections)) != len(self.projections):
+            raise ValueError(f"LookaheadConfig.projections must be distinct names from {PROJECTIONS}, "
+                             f"got {tuple(self.projections)!r}")
+        object.__setattr__(self, "projections", tuple(self.projections))
+        if self.gqa_reduce not in GQA_REDUCES:
+            raise ValueError(f"LookaheadConfig.gqa_reduce must be one of {GQA_REDUCES}, got {self.gqa_reduce!r}")
+        if self.pooling not in POOLINGS:
+            raise ValueError(f"LookaheadConfig.pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        _int("kernel", self.kernel, 1)
+        if self.kernel % 2 == 0:
+            raise ValueError(f"LookaheadConfig.kernel must be odd (same-padding pooling), got {self.kernel}")
+        _int("protect_last", self.protect_last, 0)
+
+    @property
+    def scale(self) -> float:
+        """The LoRA scale alpha / rank."""
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["projections"] = list(self.projections)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> LookaheadConfig:
+        """The config of a JSON dict; unknown keys raise ValueError naming them."""
+        if not isinstance(d, dict):
+            raise TypeError(f"LookaheadConfig.from_dict needs a dict, got {type(d).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"LookaheadConfig: unknown key(s) {unknown}; accepted: {sorted(known)}")
+        d = dict(d)
+        if isinstance(d.get("projections"), list):
+            d["projections"] = tuple(d["projections"])
+        return cls(**d)

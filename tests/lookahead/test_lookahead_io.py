@@ -1,0 +1,112 @@
+"""LookaheadConfig validation and adapter save / load, with their errors."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from tiny_models import build_hf
+
+import kvjax
+import kvjax.lookahead as lk
+
+
+def test_config_defaults_and_from_dict():
+    c = lk.LookaheadConfig()
+    assert (c.n_tokens, c.rank, c.alpha, c.gqa_reduce, c.pooling, c.kernel, c.protect_last) == (
+        32, 8, 32.0, "mean", "max", 7, 0)
+    assert c.projections == ("q", "k", "v", "o", "gate", "up", "down") and c.scale == 4.0
+    d = {"n_tokens": 8, "projections": ["q", "v"], "pooling": None, "gqa_reduce": "max"}
+    assert lk.LookaheadConfig.from_dict(d) == lk.LookaheadConfig(n_tokens=8, projections=("q", "v"), pooling=None,
+                                                                 gqa_reduce="max")
+    assert lk.LookaheadConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['lora_rank', 'size'\]"):
+        lk.LookaheadConfig.from_dict({"size": 3, "lora_rank": 4})
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("gqa_reduce", "sum", r"gqa_reduce must be one of \('mean', 'max'\)"),
+    ("pooling", "avg", r"pooling must be one of \('max', None\)"),
+    ("kernel", 4, "kernel must be odd"),
+    ("projections", ("q", "attn"), "projections must be distinct names from"),
+    ("n_tokens", 0, "n_tokens must be an int >= 1"),
+    ("rank", 0, "rank must be an int >= 1"),
+    ("alpha", -1.0, "alpha must be a positive float"),
+    ("protect_last", -2, "protect_last must be an int >= 0"),
+])
+def test_config_bad_values_name_the_field(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        lk.LookaheadConfig(**{field: value})
+
+
+def test_init_shapes_and_save_load_roundtrip(tiny, tmp_path):
+    conf = lk.LookaheadConfig(n_tokens=5, rank=3, projections=("q", "k", "down"))
+    a = lk.init_adapter(tiny, conf, jax.random.PRNGKey(0))
+    cfg = tiny.config
+    E, L = cfg.hidden_size, cfg.num_layers
+    assert a.params["embeddings"].shape == (5, E)
+    assert a.params["lora"]["q"]["a"].shape == (L, E, 3)
+    assert a.params["lora"]["k"]["b"].shape == (L, 3, cfg.num_kv_heads * cfg.head_dim)
+    assert a.params["lora"]["down"]["a"].shape == (L, cfg.intermediate_size, 3)
+    assert set(a.params["lora"]) == {"q", "k", "down"}
+    assert all(float(abs(f["b"]).max()) == 0.0 for f in a.params["lora"].values())
+    bound = 1 / np.sqrt(E)
+    qa = np.asarray(a.params["lora"]["q"]["a"])
+    assert qa.min() >= -bound and qa.max() <= bound and qa.std() > bound / 3  # U(-1/sqrt(in), 1/sqrt(in))
+    table = np.asarray(tiny.params["embed"])
+    rows = [np.flatnonzero((table == e).all(1)) for e in np.asarray(a.params["embeddings"])]
+    assert all(len(r) >= 1 for r in rows)  # every embedding is a vocabulary token's
+    lk.save(a, tmp_path / "ad")
+    b = lk.load(tmp_path / "ad", model=tiny)
+    assert b.config == conf and b.model_info == a.model_info
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    assert lk.load(tmp_path / "ad" / "adapter_config.json").config == conf
+
+
+def test_load_errors(tiny, tmp_path):
+    a = lk.init_adapter(tiny, lk.LookaheadConfig(n_tokens=2, rank=2), jax.random.PRNGKey(0))
+    folder = lk.save(a, tmp_path / "ok")
+    with pytest.raises(FileNotFoundError, match="no such folder"):
+        lk.load(tmp_path / "nowhere")
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "adapter_config.json").write_text((folder / "adapter_config.json").read_text())
+    with pytest.raises(FileNotFoundError, match="missing adapter.safetensors"):
+        lk.load(tmp_path / "half")
+    bad = lk.save(a, tmp_path / "corrupt_weights")
+    (bad / "adapter.safetensors").write_bytes(b"\x00\x01 not a safetensors file")
+    with pytest.raises(ValueError, match="corrupt LookaheadKV adapter weights"):
+        lk.load(bad)
+    bad = lk.save(a, tmp_path / "corrupt_json")
+    (bad / "adapter_config.json").write_text("{ nope")
+    with pytest.raises(ValueError, match="corrupt LookaheadKV adapter config"):
+        lk.load(bad)
+    bad = lk.save(a, tmp_path / "unknown_key")
+    meta = json.loads((bad / "adapter_config.json").read_text())
+    meta["config"]["temperature"] = 2.0
+    (bad / "adapter_config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['temperature'\]"):
+        lk.load(bad)
+    bad = lk.save(a, tmp_path / "wrong_rank")
+    meta = json.loads((bad / "adapter_config.json").read_text())
+    meta["config"]["rank"] = 3
+    (bad / "adapter_config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"wrong shape: lora.down.a \(2, 96, 2\) \(expected \(2, 96, 3\)\)"):
+        lk.load(bad)
+
+
+def test_adapter_for_another_model_is_refused(tiny, tmp_path):
+    build_hf("llama2", tmp_path / "mha")  # 4 KV heads instead of 2
+    other = kvjax.load_model(tmp_path / "mha")
+    a = lk.init_adapter(tiny, lk.LookaheadConfig(n_tokens=2, rank=2), jax.random.PRNGKey(0))
+    lk.save(a, tmp_path / "ad")
+    with pytest.raises(ValueError, match="trained for another model .*num_heads: adapter 8 vs model 4"):
+        lk.load(tmp_path / "ad", model=other)
+    with pytest.raises(ValueError, match="num_kv_heads: adapter 2 vs model 4"):
+        a.check_model(other.config)
+
+
+def test_missing_bundled_adapter_says_how_to_pass_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(lk.adapter, "BUNDLED", tmp_path / "absent")
+    with pytest.raises(FileNotFoundError, match=r"no bundled LookaheadKV adapter .*--lookahead PATH"):
+        lk.load("bundled")

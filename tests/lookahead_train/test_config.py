@@ -1,0 +1,59 @@
+"""train_lookahead's typed config: unknown keys and bad values are clear errors; shipped configs parse."""
+
+import pathlib
+
+import pytest
+import yaml
+
+from train_lookahead.config import RunConfig
+
+CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
+
+
+@pytest.mark.parametrize("name", ["lookahead_bundled.yaml", "lookahead_smollm2.yaml", "lookahead_smoke.yaml",
+                                  "lookahead_llama31_8b_v5e.yaml"])
+def test_shipped_configs_parse_and_round_trip(name):
+    cfg = RunConfig.from_yaml(CONFIGS / name)
+    raw = yaml.safe_load((CONFIGS / name).read_text())
+    assert cfg.train.batch_size == raw["train"]["batch_size"]
+    assert cfg.lookahead.n_tokens == raw["lookahead"]["n_tokens"]
+    assert len(cfg.data.sources) == len(raw["data"]["sources"])
+    assert RunConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("d, names", [
+    ({"trian": {"steps": 3}}, ["trian"]),
+    ({"train": {"steps": 3, "batchsize": 2, "lr": 1}}, ["batchsize", "lr"]),
+    ({"data": {"sources": [{"kind": "synthetic", "num_samples": 2}, {"kind": "jsonl", "path": "x", "feild": 1}]}},
+     ["feild", "data.sources[1]"]),
+    ({"lookahead": {"n_token": 4}}, ["n_token"]),
+])
+def test_unknown_keys_are_named(d, names):
+    with pytest.raises(ValueError, match="unknown") as e:
+        RunConfig.from_dict(d)
+    for n in names:
+        assert n in str(e.value)
+
+
+@pytest.mark.parametrize("d, words", [
+    ({"data": {"sources": [{"kind": "csv", "path": "x"}]}}, ["data.sources[0].kind", "'jsonl'"]),
+    ({"targets": {"dtype": "int8"}}, ["targets.dtype", "'float16'"]),
+    ({"train": {"steps": "ten"}}, ["train.steps"]),
+    ({"train": {"batch_size": 0}}, ["train.batch_size"]),
+    ({"data": {"long_prompts": "truncate"}}, ["data.long_prompts", "'skip'"]),
+    ({"data": {"sources": [{"kind": "jsonl"}]}}, ["data.sources[0].path"]),
+    ({"optim": {"warmup_fraction": 1.5}}, ["optim.warmup_fraction"]),
+])
+def test_bad_values_name_the_field(d, words):
+    with pytest.raises(ValueError) as e:
+        RunConfig.from_dict(d)
+    for w in words:
+        assert w in str(e.value)
+
+
+def test_yaml_exponent_floats_and_missing_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  learning_rate: 2e-4\n")  # YAML 1.1 reads this as a string
+    assert RunConfig.from_yaml(path).optim.learning_rate == pytest.approx(2e-4)
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        RunConfig.from_yaml(tmp_path / "nope.yaml")

@@ -1,0 +1,107 @@
+"""Target generation: the frozen model's greedy response and its mean response->prompt attention
+(policies.md §11.1) equal Hugging Face transformers' full-sequence attentions; the stage resumes."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import kvjax
+from kvjax.lookahead import LookaheadConfig, init_adapter
+from train_lookahead.config import DataSection, SourceSection, TargetsSection
+from train_lookahead.data import to_example
+from train_lookahead.loss import lookahead_loss
+from train_lookahead.targets import TargetRecords, chunk_targets, generate_targets
+
+PROMPTS = [[1, 45, 300, 17, 88, 402, 9, 77, 150, 33, 61, 12], [1, 200, 5, 99, 321, 44, 7],
+           [1, 10, 20, 30, 40, 50, 60, 70, 80]]
+
+
+@pytest.fixture(scope="module")
+def stories(stories_path):
+    return kvjax.load_model(stories_path)
+
+
+@pytest.fixture(scope="module")
+def hf(stories_path):
+    return transformers.LlamaForCausalLM.from_pretrained(stories_path, attn_implementation="eager").eval()
+
+
+def test_targets_equal_transformers_attention(stories, hf):
+    out = chunk_targets(stories, PROMPTS, max_prompt_tokens=16, max_response_tokens=10, batch_size=4)
+    L, Hq = stories.config.num_layers, stories.config.num_heads
+    assert out["target"].shape == (3, L, Hq, 12)
+    for b, prompt in enumerate(PROMPTS):
+        T, m = len(prompt), int(out["response_lengths"][b])
+        with torch.no_grad():
+            gen = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=2,
+                              pad_token_id=0)[0, T:].tolist()
+        response = out["response"][b, :m].tolist()
+        assert response == gen[:m] and (m == 10 or response[-1] == 2)  # greedy, up to and with the stop token
+        with torch.no_grad():
+            att = hf(torch.tensor([prompt + response]), output_attentions=True).attentions
+        expected = np.stack([a[0, :, T:T + m, :T].mean(1).numpy() for a in att])  # [L, Hq, T]
+        np.testing.assert_allclose(out["target"][b, :, :, :T], expected, atol=2e-5)
+        assert (out["target"][b, :, :, T:] == 0).all()
+    assert out["lengths"].tolist() == [len(p) for p in PROMPTS]
+
+
+def test_target_stage_resumes_chunk_by_chunk(stories, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"tokens": p}) + "\n" for p in PROMPTS + [[1] * 40]))
+    data = DataSection(sources=(SourceSection(kind="jsonl", path=str(path)),), max_prompt_tokens=16)
+    targets = TargetsSection(max_response_tokens=6, batch_size=2)
+    folder = generate_targets(stories, data, targets, tmp_path, progress=False)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["chunks"] == [2, 1] and manifest["skipped_long"] == 1  # the 40-token prompt is skipped, counted
+    first = np.load(folder / "chunk_00000" / "target.npy")
+    stamp = os.stat(folder / "chunk_00000" / "target.npy").st_mtime_ns
+    second = np.load(folder / "chunk_00001" / "target.npy")
+    # as if killed while writing chunk 1: only chunk 1 is redone, to the same result
+    (folder / "manifest.json").unlink()
+    for f in (folder / "chunk_00001").iterdir():
+        f.unlink()
+    (folder / "chunk_00001").rmdir()
+    generate_targets(stories, data, targets, tmp_path, progress=False)
+    assert os.stat(folder / "chunk_00000" / "target.npy").st_mtime_ns == stamp
+    np.testing.assert_array_equal(np.load(folder / "chunk_00001" / "target.npy"), second)
+    records = TargetRecords(folder)
+    assert len(records) == 3
+    np.testing.assert_array_equal(records[1]["target"], first[1, ..., : len(PROMPTS[1])])
+    assert records[2]["tokens"].tolist() == PROMPTS[2]
+    with pytest.raises(ValueError, match="max_prompt_tokens"):
+        generate_targets(stories, DataSection(sources=data.sources, max_prompt_tokens=32), targets, tmp_path)
+    with pytest.raises(ValueError, match="40 tokens"):
+        generate_targets(stories, DataSection(sources=data.sources, max_prompt_tokens=16, long_prompts="error"),
+                         targets, tmp_path / "other")
+
+
+@pytest.mark.slow
+def test_on_the_fly_loss_equals_the_loss_on_stored_targets(stories):
+    """The one-prefill on-the-fly loss (response pass + lookahead rows on one cache) equals
+    kvjax.lookahead.loss_fn on the stored targets of the same prompts, value and gradient."""
+    la = LookaheadConfig(n_tokens=3, rank=2, alpha=4.0)
+    out = chunk_targets(stories, PROMPTS, max_prompt_tokens=16, max_response_tokens=10, batch_size=3)
+    stored, fly = [], []
+    for b in range(3):
+        n, m = int(out["lengths"][b]), int(out["response_lengths"][b])
+        stored.append(to_example({"tokens": out["tokens"][b, :n], "target": out["target"][b, ..., :n]}, 16))
+        fly.append(to_example({"tokens": out["tokens"][b, :n], "response": out["response"][b, :m]}, 16, 10))
+    stack = lambda rows: {k: np.stack([r[k] for r in rows]) for k in rows[0]}  # noqa: E731
+    stored, fly = stack(stored), stack(fly)
+    stored["target"] = stored["target"].transpose(1, 0, 2, 3)
+    assert (fly["response_positions"][0, : out["response_lengths"][0]] == len(PROMPTS[0]) + np.arange(
+        out["response_lengths"][0])).all()
+    adapter = init_adapter(stories, la, jax.random.PRNGKey(1))
+    params = jax.tree.map(lambda x: x + 0.05, adapter.params)  # B != 0: the LoRA matters
+    loss = lookahead_loss(stories.config, la)
+    grad = jax.jit(jax.value_and_grad(loss))
+    a, ga = grad(params, stories.params, stored)
+    b, gb = grad(params, stories.params, fly)
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)

@@ -1,0 +1,215 @@
+"""KVzip: the engine's reconstruction observation against transformers + NumPy (subsampled softmax
+of the repeat pass), and the kept sets against a NumPy global selection (GQA 8/2, padded batch)."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from pol_helpers import HKV, assert_same_kept, kept_positions, make_inputs
+from tiny_models import build_hf
+
+import kvjax
+from kvjax.cache import KVCache
+from kvjax.engine.reconstruct import reconstruction_scores
+from kvjax.models import extend
+from kvjax.observations import ObservationSpec, Reconstruction
+from kvjax.policies import KVzip, get
+
+SPEC = Reconstruction(chunk_size=8, n_sink=2, postfix=3, first_ids=(5, 6, 7), next_ids=(8, 9), suffix_ids=(10,))
+LENGTHS = (13, 21, 8)
+
+
+def _rotate_half(x):
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], -1)
+
+
+def _hf_scores(hf, ids, spec):
+    """[L, Hkv, T] reference for one prompt: for each chunk, HF runs prompt + repeat pass in one causal
+    forward (= prefill then pass); the pass's post-RoPE queries and the cached keys give the subsampled
+    softmax, maxed over the group and the pass's queries."""
+    cfg = hf.config
+    Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // Hq
+    G, T, L = Hq // Hkv, len(ids), cfg.num_hidden_layers
+    out = np.zeros((L, Hkv, T))
+    chunks = [ids[s:s + spec.chunk_size] for s in range(0, T, spec.chunk_size)]
+    for i, chunk in enumerate(chunks):
+        start = i * spec.chunk_size
+        instr = list(spec.first_ids) if i == 0 else list(spec.next_ids) + chunks[i - 1][-spec.postfix:]
+        rep = instr + list(spec.suffix_ids) + chunk
+        n = len(rep)
+        seen = {}
+        hooks = [layer.self_attn.register_forward_pre_hook(
+            lambda m, a, kw, l=l, seen=seen: seen.__setitem__(l, (kw["hidden_states"], kw["position_embeddings"])),
+            with_kwargs=True) for l, layer in enumerate(hf.model.layers)]
+        with torch.no_grad():
+            res = hf(torch.tensor([ids + rep]), use_cache=True)
+        for h in hooks:
+            h.remove()
+        for l, layer in enumerate(hf.model.layers):
+            attn = layer.self_attn
+            hs, (cos, sin) = seen[l]
+            with torch.no_grad():
+                q = attn.q_proj(hs).view(1, -1, Hq, D).transpose(1, 2)
+                if hasattr(attn, "q_norm"):
+                    q = attn.q_norm(q)
+                q = (q * cos[:, None] + _rotate_half(q) * sin[:, None])[0, :, T:].double().numpy()  # [Hq,n,D]
+            pkv = res.past_key_values
+            k = (pkv.layers[l].keys if hasattr(pkv, "layers") else pkv[l][0])[0].double().numpy()  # [Hkv,T+n,D]
+            sink = min(spec.n_sink, start)
+            cols = list(range(sink)) + list(range(start, start + len(chunk))) + list(range(T, T + n))
+            for h in range(Hq):
+                logits = q[h] @ k[h // G, cols].T / math.sqrt(D)  # [n, cols]
+                causal = np.ones_like(logits, bool)
+                causal[:, -n:] = np.tril(np.ones((n, n), bool))
+                logits = np.where(causal, logits, -np.inf)
+                p = np.exp(logits - logits.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                best = p[:, sink:sink + len(chunk)].max(0)
+                out[l, h // G, start:start + len(chunk)] = np.maximum(out[l, h // G, start:start + len(chunk)], best)
+    return out
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_reconstruction_matches_transformers(tmp_path, family):
+    hf = build_hf(family, tmp_path)
+    model = kvjax.load_model(tmp_path)
+    cfg = model.config
+    rng = np.random.RandomState(5)
+    prompts = [rng.randint(11, cfg.vocab_size, n).tolist() for n in LENGTHS]
+    B, T = len(prompts), 24  # a bucket wider than the longest prompt
+    tokens = np.zeros((B, T), np.int32)
+    positions = np.full((B, T), -1, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+        positions[b, : len(p)] = np.arange(len(p))
+    cache = KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, T, cfg.head_dim, cfg.jnp_dtype)
+    _, cache, _ = extend(model.params, cfg, cache, jnp.asarray(tokens), jnp.asarray(positions), fresh=True)
+    got = np.asarray(jax.jit(reconstruction_scores, static_argnums=(1, 5))(
+        model.params, cfg, cache, jnp.asarray(tokens), jnp.asarray(positions), SPEC))
+    for b, p in enumerate(prompts):
+        want = _hf_scores(hf, p, SPEC)
+        np.testing.assert_allclose(got[:, b, :, : len(p)], want, rtol=2e-4, atol=1e-6)
+        assert (got[:, b, :, len(p):] == 0).all()
+
+
+def kvzip_reference(policy, s, lengths, L, budget=None, ratio=None):
+    """Sinks kept; the rest of the budget to the best scores over (layer, head) or (head) per layer."""
+    out = {}
+    for b, T in enumerate(lengths):
+        n0 = policy.n_sink
+        C = budget if ratio is None else int(T * (1 - ratio))
+        sinks = set(range(min(n0, T)))
+        if min(C, T) >= T:
+            for l in range(L):
+                for h in range(HKV):
+                    out[(l, b, h)] = (set(range(T)), {}, sinks)
+            continue
+        groups = [list(range(L))] if not policy.layerwise else [[l] for l in range(L)]
+        for ls in groups:
+            S = HKV * len(ls)
+            if ratio is None:
+                total = S * C
+            elif policy.rule == "kvpress":
+                total = S * T - int(S * T * ratio)
+            else:
+                total = int(T * (1 - ratio) * S)
+            cands = [(l, h, j) for l in ls for h in range(HKV) for j in range(n0, T)]
+            order = sorted(cands, key=lambda c: (-s[c[0], b, c[1], c[2]], c[2], c[0], c[1]))
+            chosen = set(order[: total - S * len(sinks)])
+            for l in ls:
+                for h in range(HKV):
+                    kept = sinks | {j for (ll, hh, j) in chosen if (ll, hh) == (l, h)}
+                    out[(l, b, h)] = (kept, {j: s[l, b, h, j] for j in range(n0, T)}, sinks)
+    return out
+
+
+@functools.cache
+def inputs():
+    return make_inputs(2, lengths=(29, 17, 23), window=8, num_layers=3)
+
+
+@pytest.mark.parametrize(
+    "policy,budget,ratio",
+    [
+        (KVzip(), 8, None),
+        (KVzip(layerwise=True), 8, None),
+        (get("kvzip_kvpress"), None, 0.5),
+        (get("kvzip_kvpress", layerwise=True), None, 0.7),
+        (KVzip(n_sink=2), None, 0.6),
+    ],
+    ids=["global-C8", "layerwise-C8", "kvpress-r0.5", "kvpress-layerwise-r0.7", "paper-r0.6"],
+)
+def test_kept_sets_equal_reference(policy, budget, ratio):
+    inp = inputs()
+    s = np.asarray(inp.obs.reconstruction, np.float64)
+    plan = policy.plan(inp.lengths, inp.num_layers, HKV, budget=budget, compression_ratio=ratio, max_new_tokens=2)
+    keep = np.asarray(jax.jit(lambda p, c, o: policy.prefill_keep(p, c, o)[0])(plan, inp.cache, inp.obs))
+    got = kept_positions(keep, inp.cache.pos)
+    for idx, (kept, scores, prot) in kvzip_reference(policy, s, inp.lengths, inp.num_layers, budget, ratio).items():
+        assert_same_kept(got[idx], kept, scores, prot, where=f"kvzip {idx}")
+
+
+def test_presets_and_errors():
+    k = get("kvzip")
+    assert (k.chunk_size, k.n_sink, k.postfix, k.layerwise, k.rule) == (2048, 4, 8, False, "paper")
+    assert k.requirements().observe.reconstruction == Reconstruction()
+    assert get("kvzip_kvpress").rule == "kvpress"
+    with pytest.raises(TypeError, match="first_ids"):
+        KVzip(first_ids=[1, 2])
+    with pytest.raises(ValueError, match="chunk_size"):
+        KVzip(chunk_size=0)
+    with pytest.raises(ValueError, match="reconstruction"):
+        ObservationSpec(reconstruction=Reconstruction()).merge(ObservationSpec(reconstruction=Reconstruction(n_sink=1)))
+
+    class Tok:
+        def encode(self, text, add_special_tokens):
+            return [len(w) for w in text.split()]
+
+    t = KVzip.for_tokenizer(Tok(), chunk_size=512)
+    assert t.first_ids == (6, 3, 8, 7, 8) and t.chunk_size == 512 and t.next_ids[-2:] == (8, 4)
+
+
+@pytest.mark.slow
+def test_engine_compress_uses_the_reconstruction_scores(stories_path):
+    """Through the public engine (padded batch, several chunks): each row keeps exactly
+    L*Hkv*T - int(L*Hkv*T*r) entries, the sinks, and the global top scores of the reconstruction pass
+    recomputed here from the model alone (up to float noise between the two bucket lengths)."""
+    model = kvjax.load_model(stories_path)
+    cfg = model.config
+    rng = np.random.RandomState(11)
+    lengths = (70, 45)
+    prompts = [[1] + rng.randint(3, cfg.vocab_size, n - 1).tolist() for n in lengths]
+    policy = KVzip(chunk_size=24, first_ids=(5, 6), next_ids=(7,), suffix_ids=(8,), rule="kvpress", query_aware=False)
+    cache = kvjax.engine.compress(model, prompts, policy=policy, compression_ratio=0.5)
+    valid, pos = np.asarray(cache.valid), np.asarray(cache.pos)
+    T = 72
+    tokens = np.zeros((2, T), np.int32)
+    positions = np.full((2, T), -1, np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+        positions[b, : len(p)] = np.arange(len(p))
+    full = KVCache.init(cfg.num_layers, 2, cfg.num_kv_heads, T, cfg.head_dim, cfg.jnp_dtype)
+    _, full, _ = extend(model.params, cfg, full, jnp.asarray(tokens), jnp.asarray(positions), fresh=True)
+    s = np.asarray(reconstruction_scores(model.params, cfg, full, jnp.asarray(tokens), jnp.asarray(positions),
+                                         policy.reconstruction()), np.float64)
+    L = cfg.num_layers
+    for b, n in enumerate(lengths):
+        numel = L * cfg.num_kv_heads * n
+        assert valid[:, b].sum() == numel - int(numel * 0.5)
+        kept = np.zeros((L, cfg.num_kv_heads, n), bool)
+        for l in range(L):
+            for h in range(cfg.num_kv_heads):
+                kept[l, h, pos[l, b, h][valid[l, b, h]]] = True
+        assert kept[:, :, : policy.n_sink].all()
+        sc = s[:, b, :, policy.n_sink : n]
+        k = kept[:, :, policy.n_sink :]
+        assert sc[k].min() >= sc[~k].max() - 1e-5  # a global threshold over layers and heads
+        assert len({kept[l].sum() for l in range(L)}) > 1  # budgets differ across layers

@@ -1,0 +1,252 @@
+"""Prompt sources and the grain input pipeline.
+
+Prompt sources are grain random-access sources of records {"id", "prompt" | "messages" | "tokens"}:
+
+- `SyntheticPrompts`: the project's synthetic long-context generators (kvjax.eval.tasks), with
+  seeds offset by `SEED_OFFSET` so that no training prompt is an evaluation prompt;
+- `FilePrompts`: local JSONL or Parquet rows;
+- `HFPrompts`: a Hugging Face dataset (online; `datasets` is imported only when used).
+
+`train_dataset` is the training pipeline over the target records: shuffled by seed, repeated,
+sliced per process, batched; its iterator's `get_state()` is stored with every checkpoint so a
+resumed run reads exactly the batches an uninterrupted run would have read.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import pathlib
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from kvjax.eval.prompts import build_prompt
+from kvjax.eval.tasks import generate_task, resolve_tasks
+from kvjax.eval.tasks.base import encode
+
+from train_lookahead.config import DataSection, SourceSection
+
+# The eval draws samples with small seeds (42 by default) and sample indices < 1_000_003; the bundled
+# model trained on seed 1_000_003. Training prompts use seeds >= 2 * 10**6: no seed is shared.
+SEED_OFFSET = 2 * 10**6
+MAX_PER_SEED = 10**6  # synthetic samples per task and source seed (seeds of different sources never meet)
+
+PROMPT_FIELDS = ("prompt", "messages", "tokens")
+
+
+def synthetic_seed(source_seed: int, k: int) -> int:
+    """The kvjax.eval.tasks seed of the k-th training sample of a task in a source with `source_seed`."""
+    if not 0 <= k < MAX_PER_SEED:
+        raise ValueError(f"synthetic sample index {k} out of range [0, {MAX_PER_SEED})")
+    return SEED_OFFSET + source_seed * MAX_PER_SEED + k
+
+
+class SyntheticPrompts:
+    """`num_samples` prompts of the synthetic tasks, task by task in turn; item i is generated on
+    demand with seed `synthetic_seed(seed, i // len(tasks))`. Items are query-aware full prompts
+    (context + question + answer prefix), rendered as kvjax.eval renders them."""
+
+    def __init__(self, source: SourceSection, tokenizer: Any):
+        if tokenizer is None:
+            raise ValueError("a synthetic source needs a model with a tokenizer; for token-id models use a "
+                             "jsonl source with a 'tokens' field")
+        self.tasks = resolve_tasks(list(source.tasks))
+        self.source, self.tokenizer = source, tokenizer
+        if source.num_samples // len(self.tasks) >= MAX_PER_SEED:
+            raise ValueError(f"data.sources[].num_samples={source.num_samples} is too large (at most "
+                             f"{MAX_PER_SEED} per task)")
+
+    def __len__(self) -> int:
+        return self.source.num_samples
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        task = self.tasks[i % len(self.tasks)]
+        seed = synthetic_seed(self.source.seed, i // len(self.tasks))
+        (sample,) = generate_task(task, self.tokenizer, self.source.context_length, 1, seed=seed)
+        text = build_prompt(sample, self.tokenizer, query_aware=True).text
+        return {"id": f"{task}/seed{seed}", "text": text}
+
+
+class FilePrompts:
+    """Rows of a local JSONL (.jsonl / .json lines) or Parquet file, each with a "prompt" (text),
+    "messages" (a list of {"role", "content"}) or "tokens" (a list of ids) field."""
+
+    def __init__(self, source: SourceSection):
+        path = pathlib.Path(source.path).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"data.sources[].path {str(path)!r}: no such file")
+        rows = _read_parquet(path) if source.kind == "parquet" else _read_jsonl(path)
+        self.rows = [_check_row(r, f"{path}:{i + 1}") for i, r in enumerate(rows)]
+        if source.num_samples is not None:
+            if source.num_samples > len(self.rows):
+                raise ValueError(f"data.sources[].num_samples={source.num_samples} but {path} has "
+                                 f"{len(self.rows)} rows")
+            self.rows = self.rows[: source.num_samples]
+        self.name = path.name
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"id": f"{self.name}/{i}", **self.rows[i]}
+
+
+class HFPrompts(FilePrompts):
+    """A Hugging Face dataset split (needs `datasets` and the network, or its local cache)."""
+
+    def __init__(self, source: SourceSection):
+        try:
+            import datasets
+        except ImportError:
+            raise ImportError("an hf data source needs the `datasets` package (pip install datasets)") from None
+        try:
+            ds = datasets.load_dataset(source.name, source.subset, split=source.split)
+        except Exception as e:
+            raise RuntimeError(f"Hugging Face dataset {source.name!r} (subset {source.subset!r}, split "
+                               f"{source.split!r}) could not be loaded; offline? Use a jsonl or parquet source "
+                               f"with a local copy instead ({type(e).__name__}: {e})") from None
+        n = len(ds) if source.num_samples is None else min(source.num_samples, len(ds))
+        self.rows = [_check_row(dict(ds[i]), f"{source.name}[{i}]") for i in range(n)]
+        self.name = source.name
+
+
+def _read_jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+    return rows
+
+
+def _read_parquet(path: pathlib.Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ImportError("parquet sources need pyarrow (pip install pyarrow)") from None
+    return pq.read_table(path).to_pylist()
+
+
+def _check_row(row: Any, where: str) -> dict[str, Any]:
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected an object with one of the fields {PROMPT_FIELDS}, "
+                         f"got {type(row).__name__}")
+    present = [f for f in PROMPT_FIELDS if row.get(f) is not None]
+    if len(present) != 1:
+        raise ValueError(f"{where}: a row needs exactly one of the fields {', '.join(PROMPT_FIELDS)}; "
+                         f"found {present or 'none'} among {sorted(row)}")
+    return {present[0]: row[present[0]]}
+
+
+class ConcatSource:
+    """Several random-access sources one after another."""
+
+    def __init__(self, sources: Sequence[Any]):
+        self.sources = list(sources)
+        self.offsets = np.cumsum([0] + [len(s) for s in self.sources]).tolist()
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        j = bisect.bisect_right(self.offsets, i) - 1
+        return self.sources[j][i - self.offsets[j]]
+
+
+def make_source(source: SourceSection, tokenizer: Any) -> Any:
+    if source.kind == "synthetic":
+        return SyntheticPrompts(source, tokenizer)
+    if source.kind == "hf":
+        return HFPrompts(source)
+    return FilePrompts(source)
+
+
+def encode_record(record: dict[str, Any], tokenizer: Any, chat_template: bool) -> list[int]:
+    """Token ids of one prompt record: ids as given; chat messages (or, with `chat_template`,
+    prompt text) through the tokenizer's chat template with the generation prompt; plain text
+    as BOS + text. Special tokens are never added twice."""
+    if "tokens" in record:
+        ids = record["tokens"]
+        if not all(isinstance(t, (int, np.integer)) for t in ids):
+            raise ValueError(f"{record['id']}: 'tokens' must be a list of ints")
+        return [int(t) for t in ids]
+    if tokenizer is None:
+        raise ValueError(f"{record['id']}: text prompts need a model with a tokenizer (give 'tokens' instead)")
+    if "text" in record:  # already rendered (synthetic)
+        return encode(tokenizer, record["text"])
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if "messages" in record or (chat_template and has_template):
+        if not has_template:
+            raise ValueError(f"{record['id']}: 'messages' need a tokenizer with a chat template")
+        messages = record.get("messages") or [{"role": "user", "content": record["prompt"]}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return encode(tokenizer, text)
+    return encode(tokenizer, (getattr(tokenizer, "bos_token", None) or "") + record["prompt"])
+
+
+def prompt_source(data: DataSection, tokenizer: Any) -> ConcatSource:
+    """All configured prompt sources, in the order the config lists them."""
+    return ConcatSource([make_source(s, tokenizer) for s in data.sources])
+
+
+def prompt_dataset(data: DataSection, tokenizer: Any) -> grain.MapDataset:
+    """The prompts as a grain MapDataset of {"id", "tokens"} (deterministic, random access)."""
+    return grain.MapDataset.source(prompt_source(data, tokenizer)).map(
+        lambda r: {"id": r["id"], "tokens": encode_record(r, tokenizer, data.chat_template)})
+
+
+def to_example(record: dict[str, np.ndarray], max_prompt_tokens: int,
+               max_response_tokens: int | None = None) -> dict[str, np.ndarray]:
+    """One target record -> fixed-shape arrays: tokens [T] (pad 0), positions [T] (-1 = pad), and
+    target [L, Hq, T] float32 (0 on padding), or for an on-the-fly record response [Y] (pad 0) and
+    response_positions [Y] (continuing the prompt's positions; -1 = pad)."""
+    n = len(record["tokens"])
+    if n > max_prompt_tokens:
+        raise ValueError(f"a target record has {n} prompt tokens > data.max_prompt_tokens={max_prompt_tokens}; "
+                         "regenerate the targets with this config")
+    tokens = np.zeros(max_prompt_tokens, np.int32)
+    tokens[:n] = record["tokens"]
+    positions = np.where(np.arange(max_prompt_tokens) < n, np.arange(max_prompt_tokens), -1).astype(np.int32)
+    out = {"tokens": tokens, "positions": positions}
+    if "target" in record:
+        target = np.zeros(record["target"].shape[:2] + (max_prompt_tokens,), np.float32)
+        target[..., :n] = record["target"][..., :n]
+        out["target"] = target
+    else:
+        m, Y = len(record["response"]), max_response_tokens
+        if Y is None or m > Y:
+            raise ValueError(f"a response of {m} tokens does not fit targets.max_response_tokens={Y}")
+        out["response"] = np.zeros(Y, np.int32)
+        out["response"][:m] = record["response"]
+        out["response_positions"] = np.where(np.arange(Y) < m, n + np.arange(Y), -1).astype(np.int32)
+    return out
+
+
+def _layers_first(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """target [B, L, Hq, T] -> [L, B, Hq, T], the layout of kvjax.lookahead.loss_fn."""
+    if "target" not in batch:
+        return batch
+    return {**batch, "target": np.ascontiguousarray(batch["target"].transpose(1, 0, 2, 3))}
+
+
+def train_dataset(records: Any, *, batch_size: int, seed: int, max_prompt_tokens: int,
+                  max_response_tokens: int | None = None, process_index: int = 0,
+                  process_count: int = 1) -> grain.IterDataset:
+    """Endless batches of this process's rows: {"tokens" [b, T], "positions" [b, T], and "target"
+    [L, b, Hq, T] or "response" / "response_positions" [b, Y]} with b = batch_size // process_count.
+    Every epoch is a fresh permutation of `records` under `seed`."""
+    if batch_size % process_count:
+        raise ValueError(f"train.batch_size={batch_size} must be divisible by the {process_count} processes")
+    if len(records) < batch_size:
+        raise ValueError(f"{len(records)} target records are fewer than train.batch_size={batch_size}")
+    ds = grain.MapDataset.source(records).shuffle(seed=seed).repeat(None)
+    ds = ds[process_index::process_count].map(lambda r: to_example(r, max_prompt_tokens, max_response_tokens))
+    ds = ds.batch(batch_size // process_count, drop_remainder=True).map(_layers_first)
+    return ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))

@@ -1,0 +1,218 @@
+"""Target generation: the frozen model's greedy response to each prompt, and its mean
+response->prompt attention per layer and query head (policies.md §11.1, s_GT).
+
+Prompts are taken `targets.batch_size` at a time (source indices [i*b, (i+1)*b) form chunk i).
+Each chunk is written to `<workdir>/targets/chunk_<i>/` through a temporary folder renamed when
+complete, so a killed run re-run skips the finished chunks and redoes at most one. The prompt
+cache is prefilled once; the response runs against it as a continuation in chunks
+(kvjax.lookahead.response_attention), so no [T+Y]^2 matrix exists.
+
+A chunk folder holds tokens [n, Tc] int32 (right-padded with 0), lengths [n], target
+[n, L, Hq, Tc] (zero past each row's length), response [n, Y] and response_lengths [n], ids.json.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from tqdm.auto import tqdm
+
+import kvjax
+from kvjax.cache import KVCache
+from kvjax.lookahead import response_attention
+from kvjax.models import extend
+from kvjax.models.config import ModelConfig
+
+from train_lookahead.config import DataSection, TargetsSection
+from train_lookahead.data import encode_record, prompt_source
+
+MANIFEST = "manifest.json"
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _targets(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, response: jax.Array,
+             response_positions: jax.Array) -> jax.Array:
+    """s_GT [L, B, Hq, T] for prompts tokens/positions [B, T] and responses [B, Y] (-1 = pad)."""
+    B, T = tokens.shape
+    return response_attention(params, cfg, prefill(params, cfg, tokens, positions), response,
+                              response_positions)[..., :T]
+
+
+def prefill(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array) -> KVCache:
+    """The frozen prompt cache of right-padded tokens/positions [B, T] (slot i = token i), capacity T."""
+    B, T = tokens.shape
+    cache = KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, T, cfg.head_dim, cfg.jnp_dtype)
+    _, cache, _ = extend(params, cfg, cache, tokens, positions, fresh=True,
+                         logit_index=jnp.zeros((B, 1), jnp.int32))  # no [B, T, V] logits
+    return cache
+
+
+def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_tokens: int,
+                  max_response_tokens: int, batch_size: int, attention: bool = True) -> dict[str, np.ndarray]:
+    """Responses and s_GT for up to `batch_size` prompts (each at most `max_prompt_tokens` tokens).
+
+    Rows are padded to `batch_size` with copies of the first prompt so every chunk has one shape.
+    Returns tokens [n, Tc], lengths [n], target [n, L, Hq, Tc] float32 (only with `attention`),
+    response [n, Y], response_lengths [n].
+    """
+    n = len(prompts)
+    rows = prompts + [prompts[0]] * (batch_size - n)
+    out = kvjax.generate(model, rows, max_new_tokens=max_response_tokens)
+    lengths = np.array([len(p) for p in rows], np.int32)
+    T = max_prompt_tokens
+    tokens = np.zeros((batch_size, T), np.int32)
+    positions = np.full((batch_size, T), -1, np.int32)
+    for b, p in enumerate(rows):
+        tokens[b, : len(p)] = p
+        positions[b, : len(p)] = np.arange(len(p))
+    Y = max_response_tokens
+    response = np.zeros((batch_size, Y), np.int32)
+    response[:, : out.tokens.shape[1]] = out.tokens[:, :Y]
+    steps = np.arange(Y)[None, :]
+    response_positions = np.where(steps < out.lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
+    response = np.where(response_positions >= 0, response, 0)
+    Tc = int(lengths[:n].max())
+    out_arrays = {"tokens": tokens[:n, :Tc], "lengths": lengths[:n], "response": response[:n],
+                  "response_lengths": out.lengths[:n].astype(np.int32)}
+    if not attention:
+        return out_arrays
+    target = np.asarray(jax.device_get(_targets(model.params, model.config, tokens, positions, response,
+                                                response_positions)))  # [L, B, Hq, T]
+    target = target.transpose(1, 0, 2, 3)[:n, ..., :Tc]
+    target = np.where(np.arange(Tc) < lengths[:n, None, None, None], target, 0.0).astype(np.float32)
+    return {**out_arrays, "target": target}
+
+
+def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSection, workdir: str | os.PathLike, *,
+                     progress: bool = True) -> pathlib.Path:
+    """Writes every chunk not yet on disk, then the manifest; returns the targets folder."""
+    folder = pathlib.Path(workdir) / "targets"
+    folder.mkdir(parents=True, exist_ok=True)
+    settings = {"max_prompt_tokens": data.max_prompt_tokens, "max_response_tokens": targets.max_response_tokens,
+                "batch_size": targets.batch_size, "mode": targets.mode,
+                "sources": [dataclass_dict(s) for s in data.sources], "chat_template": data.chat_template,
+                "model": model_info(model.config)}
+    _check_settings(folder, settings)
+    if (folder / MANIFEST).exists():
+        return folder
+    source = prompt_source(data, model.tokenizer)
+    limit = model.config.max_position_embeddings - targets.max_response_tokens
+    n_chunks = -(-len(source) // targets.batch_size)
+    # every process decides the same pending chunks before any is written (the model is sharded over
+    # all of them, so they must run the same generate calls in the same order)
+    pending = [i for i in range(n_chunks) if not (folder / f"chunk_{i:05d}").exists()]
+    multihost_utils.sync_global_devices("train_lookahead: target plan")
+    for i in tqdm(pending, desc="targets", disable=not progress):
+        ids, prompts = [], []
+        for j in range(i * targets.batch_size, min(len(source), (i + 1) * targets.batch_size)):
+            record = source[j]
+            ids_j = encode_record(record, model.tokenizer, data.chat_template)
+            if len(ids_j) > min(data.max_prompt_tokens, limit) or not ids_j:
+                if data.long_prompts == "error":
+                    raise ValueError(f"prompt {record['id']!r} has {len(ids_j)} tokens; data.max_prompt_tokens="
+                                     f"{data.max_prompt_tokens} (and the model's positions allow {limit} before "
+                                     f"the response). Raise the cap or set data.long_prompts: skip")
+                continue
+            ids.append(record["id"])
+            prompts.append(ids_j)
+        _write_chunk(folder / f"chunk_{i:05d}", ids, prompts and chunk_targets(
+            model, prompts, max_prompt_tokens=data.max_prompt_tokens,
+            max_response_tokens=targets.max_response_tokens, batch_size=targets.batch_size,
+            attention=targets.mode == "stored"), targets.dtype)
+    multihost_utils.sync_global_devices("train_lookahead: targets written")
+    counts = [_count(folder / f"chunk_{i:05d}") for i in range(n_chunks)]
+    skipped = len(source) - sum(counts)
+    manifest = {"chunks": counts, "records": sum(counts), "skipped_long": skipped, **settings}
+    if sum(counts) == 0:
+        raise ValueError(f"no prompt fits data.max_prompt_tokens={data.max_prompt_tokens}: every one was skipped")
+    if jax.process_index() == 0:
+        (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    multihost_utils.sync_global_devices("train_lookahead: manifest written")
+    return folder
+
+
+def _write_chunk(final: pathlib.Path, ids: list[str], arrays: dict[str, np.ndarray] | list, dtype: str) -> None:
+    if jax.process_index() != 0:
+        return
+    tmp = final.with_name(final.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    for name, a in (arrays or {}).items():
+        np.save(tmp / f"{name}.npy", a.astype(dtype) if name == "target" else a)
+    (tmp / "ids.json").write_text(json.dumps(ids))
+    os.replace(tmp, final)
+
+
+def _count(chunk: pathlib.Path) -> int:
+    return len(json.loads((chunk / "ids.json").read_text()))
+
+
+def _check_settings(folder: pathlib.Path, settings: dict[str, Any]) -> None:
+    """Targets written under other settings must not be mixed with these."""
+    path = folder / "settings.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != json.loads(json.dumps(settings)):
+            diff = sorted(k for k in set(old) | set(settings) if old.get(k) != json.loads(json.dumps(settings)).get(k))
+            raise ValueError(f"{folder} holds targets made with other settings ({', '.join(diff)} differ); "
+                             "use a new --workdir or delete that folder")
+    elif jax.process_index() == 0:
+        path.write_text(json.dumps(settings, indent=1))
+
+
+def dataclass_dict(x: Any) -> dict[str, Any]:
+    return json.loads(json.dumps(dataclasses.asdict(x)))
+
+
+def model_info(cfg: ModelConfig) -> dict[str, int]:
+    return {"layers": cfg.num_layers, "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+
+
+class TargetRecords:
+    """The finished targets folder as a grain random-access source of {"tokens" [T_i], and
+    "target" [L, Hq, T_i] (mode "stored") or "response" [Y_i] (mode "on_the_fly")}."""
+
+    def __init__(self, folder: str | os.PathLike):
+        self.folder = pathlib.Path(folder)
+        path = self.folder / MANIFEST
+        if not path.exists():
+            raise FileNotFoundError(f"{self.folder} has no {MANIFEST}: the target stage has not finished")
+        self.manifest = json.loads(path.read_text())
+        self.chunks = [i for i, n in enumerate(self.manifest["chunks"]) if n]
+        self.offsets = np.cumsum([0] + [self.manifest["chunks"][i] for i in self.chunks]).tolist()
+        self.stored = self.manifest["mode"] == "stored"
+        self._open: dict[int, dict[str, np.ndarray]] = {}
+
+    def __len__(self) -> int:
+        return self.offsets[-1]
+
+    def _arrays(self, chunk: int) -> dict[str, np.ndarray]:
+        if chunk not in self._open:
+            d = self.folder / f"chunk_{chunk:05d}"
+            names = ("tokens", "lengths") + (("target",) if self.stored else ("response", "response_lengths"))
+            self._open[chunk] = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in names}
+        return self._open[chunk]
+
+    def __getitem__(self, i: int) -> dict[str, np.ndarray]:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        k = bisect.bisect_right(self.offsets, i) - 1
+        a = self._arrays(self.chunks[k])
+        j = i - self.offsets[k]
+        n = int(a["lengths"][j])
+        if self.stored:
+            return {"tokens": np.asarray(a["tokens"][j, :n]), "target": np.asarray(a["target"][j, ..., :n], np.float32)}
+        m = int(a["response_lengths"][j])
+        return {"tokens": np.asarray(a["tokens"][j, :n]), "response": np.asarray(a["response"][j, :m])}
