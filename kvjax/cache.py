@@ -7,6 +7,12 @@ Shapes (L layers, B rows, Hkv KV heads, C slots per head, D head dim):
 
 Slot order carries no meaning (keys carry their rotation); attention masks by `valid` and by
 position. New tokens take the first free slots of each (layer, row, head): `write_slots`.
+
+Models with sliding-window layers (Gemma 2 / 3) hold only their *global* layers in k, v, pos, valid
+(L = `cfg.num_global_layers`): the cache that policies score, compact and evict. The sliding layers'
+rolling buffers ride along in `local`, a nested KVCache `[L_local, B, Hkv, W, ...]` whose slot
+`p mod W` holds position p (see kvjax.models.local). Every method here carries `local` unchanged:
+policies never read or change it, and its size is bounded by the window W.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ class KVCache:
     v: jax.Array
     pos: jax.Array
     valid: jax.Array
+    local: "KVCache | None" = None
 
     @classmethod
     def init(cls, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: Any) -> "KVCache":
@@ -112,6 +119,7 @@ class KVCache:
             v=gather_slots(self.v, src),
             pos=jnp.where(filled, gather_slots(self.pos, src), -1),
             valid=filled,
+            local=self.local,
         )
         return new, src
 
@@ -120,13 +128,16 @@ class KVCache:
         return self.valid.sum(-1)
 
     def nbytes(self) -> int:
-        """Bytes of the allocated buffers (k, v, pos, valid): what the cache really occupies."""
-        return sum(int(x.size) * x.dtype.itemsize for x in (self.k, self.v, self.pos, self.valid))
+        """Bytes of the allocated buffers (k, v, pos, valid, and the local rolling buffers): what the
+        cache really occupies."""
+        own = sum(int(x.size) * x.dtype.itemsize for x in (self.k, self.v, self.pos, self.valid))
+        return own + (0 if self.local is None else self.local.nbytes())
 
     def nbytes_in_use(self) -> int:
         """Bytes of keys and values in valid slots (the logical size of what is kept)."""
         per_entry = 2 * self.k.shape[-1] * self.k.dtype.itemsize
-        return int(jax.device_get(self.valid.sum())) * per_entry
+        own = int(jax.device_get(self.valid.sum())) * per_entry
+        return own + (0 if self.local is None else self.local.nbytes_in_use())
 
 
 def gather_slots(x: jax.Array, src: jax.Array) -> jax.Array:

@@ -15,6 +15,8 @@ RULES = {"batch": "data", "kv_heads": "model", "heads": "model", "mlp": "model",
 _LAYER_AXES = {
     "input_norm": ("layers", "embed"),
     "post_norm": ("layers", "embed"),
+    "post_attn_norm": ("layers", "embed"),
+    "post_mlp_norm": ("layers", "embed"),
     "q": ("layers", "embed", "heads"),
     "k": ("layers", "embed", "kv_heads"),
     "v": ("layers", "embed", "kv_heads"),
@@ -80,4 +82,5 @@ def cache_shardings(cache, mesh: Mesh):
     """Shardings for a KVCache: batch over data, KV heads over model (positions and masks alike)."""
     full = logical_sharding(CACHE_AXES, cache.k.shape, mesh)
     meta = NamedSharding(mesh, P(*full.spec[:4]))
-    return type(cache)(k=full, v=full, pos=meta, valid=meta)
+    local = None if getattr(cache, "local", None) is None else cache_shardings(cache.local, mesh)
+    return type(cache)(k=full, v=full, pos=meta, valid=meta, local=local)

@@ -25,17 +25,37 @@ FAMILIES = {
     "qwen3": (transformers.Qwen3Config, dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                              tie_word_embeddings=False)),
 }
+# Gemma 2 / Gemma 3 text, kept apart from FAMILIES (their caches carry rolling buffers: see tests/models/test_gemma.py).
+# Window 8 so that short prompts already roll it; small soft-caps and a query_pre_attn_scalar != head_dim so
+# that each Gemma feature changes the logits.
+GEMMA_COMMON = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8, query_pre_attn_scalar=24)
+GEMMA_FAMILIES = {
+    # alternating sliding / full layers (HF's default pattern), attention and final soft-caps
+    "gemma2": (transformers.Gemma2Config, dict(num_hidden_layers=4, attn_logit_softcapping=3.0,
+                                               final_logit_softcapping=2.0)),
+    # q/k norm, local RoPE base for sliding layers, linear-scaled global RoPE, an irregular layer pattern
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        num_hidden_layers=5, rope_theta=1000.0, rope_local_base_freq=100.0,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        rope_scaling={"rope_type": "linear", "factor": 4.0})),
+}
 MODEL_CLASSES = {
     transformers.LlamaConfig: transformers.LlamaForCausalLM,
     transformers.MistralConfig: transformers.MistralForCausalLM,
     transformers.Qwen2Config: transformers.Qwen2ForCausalLM,
     transformers.Qwen3Config: transformers.Qwen3ForCausalLM,
+    transformers.Gemma2Config: transformers.Gemma2ForCausalLM,
+    transformers.Gemma3TextConfig: transformers.Gemma3ForCausalLM,
 }
 
 
 def build_hf(family: str, folder: pathlib.Path, seed: int = 0, **overrides):
     """A random HF model of `family` (weights perturbed so biases and norms are not trivial), saved to folder."""
-    cfg_cls, extra = FAMILIES[family]
+    if family in GEMMA_FAMILIES:
+        cfg_cls, extra = GEMMA_FAMILIES[family]
+        extra = {**GEMMA_COMMON, **extra}
+    else:
+        cfg_cls, extra = FAMILIES[family]
     cfg = cfg_cls(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = MODEL_CLASSES[cfg_cls](cfg).eval()

@@ -85,7 +85,8 @@ class GenerateOutput:
     """tokens [B, max_new_tokens] int32 (padded with `pad_id` after a stop token);
     lengths [B]: generated tokens per row, the stop token included; texts: decoded answers
     (None without a tokenizer); prompt_lengths [B]; cache_bytes: allocated bytes of the decode cache;
-    kept [B]: KV entries kept per (layer, head) after prefill compression, averaged over layers and heads;
+    kept [B]: KV entries kept per (layer, head) after prefill compression, averaged over layers and heads
+      (layers: those a policy acts on, i.e. Gemma's global layers; its sliding-window buffers are not counted);
     kept_final [B]: the same at the end of decoding (decode-time policies evict as they go);
     kept_peak / kept_mean [B]: the most and the mean entries per (layer, head) the cache held while
       the row decoded (after the question, and after each generated token's step);
@@ -119,9 +120,10 @@ def make_plan(policy: Policy, lengths: np.ndarray, cfg: ModelConfig, *, budget: 
     """
     kw = dict(budget=budget, compression_ratio=compression_ratio, max_new_tokens=room, bucket=bucket,
               question_tokens=question_tokens)
-    plan = policy.plan(tuple(int(x) for x in lengths), cfg.num_layers, cfg.num_kv_heads, **kw)
+    # policies act on the global layers only (all layers, but for the sliding-window layers of Gemma)
+    plan = policy.plan(tuple(int(x) for x in lengths), cfg.num_global_layers, cfg.num_kv_heads, **kw)
     try:
-        widest = policy.plan((bucket,), cfg.num_layers, cfg.num_kv_heads, **kw)
+        widest = policy.plan((bucket,), cfg.num_global_layers, cfg.num_kv_heads, **kw)
     except ValueError:  # e.g. a per-row rule the padded length cannot satisfy: keep the exact plan
         return plan
     return plan.replace(capacity=max(plan.capacity, widest.capacity), compact=plan.compact or widest.compact)
@@ -251,7 +253,7 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
             out[b, hit[0] + 1:] = batch.pad_id
         if texts is not None:
             texts.append(model.tokenizer.decode(out[b, : out_lengths[b]].tolist(), skip_special_tokens=True))
-    heads = cfg.num_layers * cfg.num_kv_heads
+    heads = cfg.num_global_layers * cfg.num_kv_heads
     entry_bytes = 2 * cfg.head_dim * np.dtype(cfg.jnp_dtype).itemsize
     kept, kept_min, kept_max, kept_sum, n, kept_final = (np.asarray(x, np.float64) for x in jax.device_get(
         (kept, final.kept_min, final.kept_max, final.kept_sum, final.active_steps, _entries(final.cache))))

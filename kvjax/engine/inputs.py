@@ -177,6 +177,6 @@ def check_positions(model: Model, prompt_tokens: int, new_tokens: int, what: str
         raise ValueError(
             f"the longest prompt ({prompt_tokens} tokens) plus {what}={new_tokens} needs {total} positions, "
             f"more than the model allows (max_position_embeddings={cfg.max_position_embeddings})")
-    if cfg.sliding_window is not None and total > cfg.sliding_window:
+    if cfg.sliding_window is not None and not cfg.local_layer_ids and total > cfg.sliding_window:
         raise ValueError(f"sequences of {total} tokens exceed the sliding_window={cfg.sliding_window} of this "
                          "checkpoint, which kvjax does not implement")

@@ -25,6 +25,7 @@ from kvjax.engine.reconstruct import reconstruction_scores
 from kvjax.lookahead import LookaheadConfig, lookahead_mass
 from kvjax.models.config import ModelConfig
 from kvjax.models.llama import extend
+from kvjax.models.local import init_cache
 from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.base import Plan, Policy, compress_prefill
 from kvjax.sampling import Sampler
@@ -58,14 +59,15 @@ def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, 
             ) -> tuple[jax.Array, KVCache, Observations, jax.Array]:
     """The model prefill, shared by every policy. tokens, positions [B,T] (right-padded, -1 = padding).
 
-    Returns first-token ids [B], the full cache of `capacity` slots, the `Observations` asked for,
-    and the first-token logits [B,V]. `observe.reconstruction` adds KVzip's repeat-the-context passes
+    Returns first-token ids [B], the full cache of `capacity` slots (global layers; the rolling
+    buffers of sliding-window layers in `cache.local`), the `Observations` asked for, and the
+    first-token logits [B,V]. `observe.reconstruction` adds KVzip's repeat-the-context passes
     (`reconstruct`), which leave the cache unchanged.
     """
     TRACE_COUNTS["prefill"] += 1
     B = tokens.shape[0]
     lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
-    cache = constrain(KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, capacity, cfg.head_dim, cfg.jnp_dtype), mesh)
+    cache = constrain(init_cache(cfg, B, capacity), mesh)
     logits, cache, observations = extend(params, cfg, cache, tokens, positions, fresh=True, observe=observe,
                                          logit_index=(lengths - 1)[:, None], rope_mode=rope_mode)
     if observe.reconstruction is not None:

@@ -38,8 +38,11 @@ def init_params(cfg: ModelConfig, key: jax.Array, std: float = 0.02) -> dict[str
 
 def hf_config(cfg: ModelConfig) -> dict[str, Any]:
     """The `config.json` dict transformers reads back into the same model."""
-    arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM"}[cfg.family]
+    archs = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+             "qwen3": "Qwen3ForCausalLM"}
+    if cfg.family not in archs:  # Gemma's norms, scales and layer types are not written out
+        raise ValueError(f"exporting family={cfg.family!r} is not supported; accepted values: {sorted(archs)}")
+    arch = archs[cfg.family]
     out = {
         "architectures": [arch],
         "model_type": cfg.family,

@@ -1,4 +1,5 @@
-"""Functional Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3) over a params pytree.
+"""Functional Llama-family decoder (Llama 2/3.x, Mistral, Qwen2/2.5, Qwen3, Gemma 2, Gemma 3 text)
+over a params pytree.
 
 One function, `extend`, runs `n` new tokens through the model against a `KVCache`: a prefill is
 `extend` on an empty cache (`fresh=True`), a question chunk or a decode step is `extend` on a
@@ -9,7 +10,15 @@ Params pytree (weights stored `[in, out]`, layers stacked on a leading L axis):
   embed [V, E]; final_norm [E]; lm_head [E, V] (absent when tied)
   layers: input_norm [L,E], post_norm [L,E], q [L,E,Hq*D], k/v [L,E,Hkv*D], o [L,Hq*D,E],
           optional q_bias/k_bias/v_bias, o_bias, q_norm/k_norm [L,D],
-          gate/up [L,E,F], down [L,F,E], optional gate_bias/up_bias/down_bias
+          gate/up [L,E,F], down [L,F,E], optional gate_bias/up_bias/down_bias;
+          Gemma: post_attn_norm, post_mlp_norm [L,E] (on the attention / MLP outputs; post_norm is
+          the norm before the MLP, as for Llama)
+
+Gemma 2 / Gemma 3 (`cfg.gemma`) reuse the same layer with Gemma's norms, scales and soft-caps
+(kvjax.models.gemma). Their sliding-window layers attend over a rolling buffer of W slots
+(kvjax.models.local) carried in `KVCache.local`; the layer stack still runs under one `lax.scan`,
+with a `lax.cond` choosing the local or the global attention of each layer, and only the global
+layers have observations and a slot in the policy-visible cache.
 """
 
 from __future__ import annotations
@@ -18,12 +27,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from kvjax import kernels
 from kvjax.cache import KVCache
 from kvjax.kernels._common import masked_softmax, resolve_implementation
+from kvjax.models import gemma
 from kvjax.models.config import ModelConfig
-from kvjax.models.rope import apply_rope, inverse_frequencies, rope_tables, slot_ranks
+from kvjax.models.local import layer_plan, rolling_write
+from kvjax.models.rope import apply_rope, inverse_frequencies, local_inverse_frequencies, rope_tables, slot_ranks
 from kvjax.observations import Observations, ObservationSpec
 
 # The spec of what `extend` records for the policies (kept under its historical name).
@@ -58,19 +70,24 @@ def _lora(y: jax.Array, x: jax.Array, name: str, hook: dict[str, Any] | None) ->
 
 
 def attend(
-    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, scale: float
+    q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, scale: float,
+    *, window: int | None = None, softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal attention by position over masked slots.
 
     q [B,Hq,n,D], k/v [B,Hkv,S,D], q_pos [B,n] (-1 = padding query), k_pos [B,Hkv,S] (-1 = empty).
-    Query i sees slot s iff 0 <= k_pos[s] <= q_pos[i]. Returns out [B,Hq,n,D] (q dtype) and
-    probs [B,Hkv,G,n,S] float32.
+    Query i sees slot s iff 0 <= k_pos[s] <= q_pos[i] (and q_pos[i] - k_pos[s] < window when given).
+    softcap: logits -> softcap * tanh(logits / softcap) before masking (Gemma 2).
+    Returns out [B,Hq,n,D] (q dtype) and probs [B,Hkv,G,n,S] float32.
     """
     B, Hq, n, D = q.shape
     Hkv = k.shape[1]
     qg = q.reshape(B, Hkv, Hq // Hkv, n, D)
     logits = jnp.einsum("bhgnd,bhsd->bhgns", qg, k, preferred_element_type=jnp.float32) * scale
+    logits = gemma.softcap(logits, softcap)
     mask = (k_pos[:, :, None, None, :] >= 0) & (k_pos[:, :, None, None, :] <= q_pos[:, None, None, :, None])
+    if window is not None:
+        mask &= k_pos[:, :, None, None, :] > q_pos[:, None, None, :, None] - window
     probs = masked_softmax(logits, mask)
     out = jnp.einsum("bhgns,bhsd->bhgnd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(B, Hq, n, D), probs
@@ -78,7 +95,7 @@ def attend(
 
 def attend_blocked(
     q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, scale: float, block: int,
-    column_mass: bool = False,
+    column_mass: bool = False, *, window: int | None = None, softcap: float | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
     """`attend` over query blocks of `block` rows, so no `[n, S]` score matrix exists at once.
 
@@ -92,7 +109,7 @@ def attend_blocked(
 
     def one(mass, xs):
         qi, pi = xs
-        out, probs = attend(qi, k, v, pi, k_pos, scale)
+        out, probs = attend(qi, k, v, pi, k_pos, scale, window=window, softcap=softcap)
         if column_mass:  # padding queries see no key, so their probability rows are already zero
             mass = mass + jnp.sum(probs, axis=(2, 3))
         return mass, out
@@ -174,7 +191,8 @@ def extend(
     rope_mode: "original", or "cache_relative" (StreamingLLM): keys are cached un-rotated; a filled
       cache is attended with every kept key rotated at its rank among the kept slots of its head,
       and each new query at the rank of its own slot. A prefill is the same either way.
-    inputs_embeds [B,n,E]: input vectors used instead of `embed[tokens]` (tokens may then be None).
+    inputs_embeds [B,n,E]: input vectors used instead of `embed[tokens]` (tokens may then be None;
+      Gemma's sqrt(hidden) scaling applies to token embeddings only, as in HF).
     adapter: a row-masked low-rank hook (LookaheadKV): {"lora": {proj: {"a": [L,in,r], "b": [L,r,out]}},
       "mask": [B,n] bool, "scale": float}; proj in q,k,v,o,gate,up,down. Rows where mask is False
       compute exactly what they compute without the hook (bit-identical).
@@ -183,12 +201,21 @@ def extend(
     Returns logits [B,n or k,V] float32, the updated cache, and the `Observations` asked for:
       window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32,
       query_mass [L,B,Hq,C] f32 (cache slots only; not for blocked prefills).
+
+    Models with sliding-window layers (Gemma): L above is `cfg.num_global_layers`, the cache comes from
+    `kvjax.models.local.init_cache` (its `local` rolling buffers are updated here, rope_mode aside:
+    local layers always keep keys at their original rotation), and the real tokens of each row must
+    have distinct positions (contiguous, as the engine feeds them).
     """
     B, n = positions.shape
-    L, Hq, Hkv, D = cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     dtype = cfg.jnp_dtype
     eps = cfg.rms_norm_eps
-    scale = D**-0.5
+    scale = cfg.attn_scale
+    cap = cfg.attn_logit_softcapping
+    norm = gemma.gemma_rms_norm if cfg.gemma else rms_norm
+    act_fn = (lambda x: jax.nn.gelu(x, approximate=True)) if cfg.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu
+    has_local = bool(cfg.local_layer_ids)
     if rope_mode not in ("original", "cache_relative"):
         raise ValueError(f"rope_mode={rope_mode!r}; accepted values: 'original', 'cache_relative'")
     relative = rope_mode == "cache_relative"
@@ -198,64 +225,80 @@ def extend(
         raise ValueError("extend: cache=None needs fresh=True")
     if not commit and (fresh or relative):
         raise ValueError("extend: commit=False needs fresh=False and rope_mode='original'")
+    if cache is not None and (cache.k.shape[0] != cfg.num_global_layers or has_local != (cache.local is not None)):
+        raise ValueError(f"extend: the cache has {cache.k.shape[0]} layers and local buffers: "
+                         f"{cache.local is not None}; this {cfg.family} model needs {cfg.num_global_layers} global "
+                         f"layers and local buffers: {has_local} (build it with kvjax.models.local.init_cache)")
     if not fresh and slots is None and commit:
         slots = cache.write_slots(n)
     C = n if cache is None else cache.capacity
-    h = (params["embed"][tokens] if inputs_embeds is None else inputs_embeds).astype(dtype)
+    if inputs_embeds is None:
+        h = params["embed"][tokens].astype(dtype)
+        if cfg.gemma:
+            h = h * gemma.embed_scale(cfg)
+    else:
+        h = inputs_embeds.astype(dtype)
     observe_any = bool(observe)
     n_real = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
     window_pos = n_real[:, None] - observe.window + jnp.arange(observe.window)  # [B, w]
     window_index = jnp.maximum(window_pos, 0)
+    is_local, cache_index = layer_plan(cfg)
+    if has_local:
+        local_cos, local_sin = rope_tables(jnp.maximum(positions, 0), local_inverse_frequencies(cfg), dtype)
 
-    def layer(carry, xs):
-        h, ck, cv, cpos, cvalid = carry
-        lp, l = xs["params"], xs["index"]
-        hook = None if adapter is None else {**adapter, "lora": xs["lora"]}
-        x = rms_norm(h, lp["input_norm"], eps)
-        q = _lora(_linear(x, lp["q"], lp.get("q_bias")), x, "q", hook).reshape(B, n, Hq, D).transpose(0, 2, 1, 3)
-        k = _lora(_linear(x, lp["k"], lp.get("k_bias")), x, "k", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
-        v = _lora(_linear(x, lp["v"], lp.get("v_bias")), x, "v", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
-        if cfg.qk_norm:
-            q = rms_norm(q, lp["q_norm"], eps)
-            k = rms_norm(k, lp["k_norm"], eps)
-        q_raw, k_raw = q, k
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_stored = k_raw if relative else k
+    def global_write(k_stored, v, ck, cv, cpos, cvalid, l, s, enabled=None):
+        """Writes the new keys/values of a global layer into its cache `l` (slots 0..n-1 for a prefill,
+        `s` otherwise). enabled (traced bool, models with local layers): False drops the write."""
         new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
-        if fresh and ck is None and not observe_any:
+        if ck is None or not commit:
+            return ck, cv, cpos, cvalid
+        if fresh and enabled is None:
+            ck = jax.lax.dynamic_update_slice(ck, k_stored[None].astype(ck.dtype), (l, 0, 0, 0, 0))
+            cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (l, 0, 0, 0, 0))
+            cpos = jax.lax.dynamic_update_slice(cpos, new_pos[None], (l, 0, 0, 0))
+            cvalid = jax.lax.dynamic_update_slice(cvalid, (new_pos >= 0)[None], (l, 0, 0, 0))
+            return ck, cv, cpos, cvalid
+        if fresh:
+            s = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, Hkv, n))
+        mode = None
+        if enabled is not None:  # an out-of-range slot drops the write
+            s, mode = jnp.where(enabled, s, ck.shape[3]), "drop"
+        bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(Hkv), indexing="ij")
+        idx = (l, bi[..., None], hi[..., None], s)
+        ck = ck.at[idx].set(k_stored.astype(ck.dtype), mode=mode)
+        cv = cv.at[idx].set(v.astype(cv.dtype), mode=mode)
+        cpos = cpos.at[idx].set(new_pos, mode=mode)
+        cvalid = cvalid.at[idx].set(new_pos >= 0, mode=mode)
+        return ck, cv, cpos, cvalid
+
+    def global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s, wo):
+        """Attention of a global layer (its new keys already written into its cache `l`, unless
+        commit=False): out [B,Hq,n,D] and its observations. q, k rotated; q_raw un-rotated;
+        wo [Hq*D,E] the output projection (for the output-norm observation)."""
+        new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
+        if fresh and ck is None and not observe_any and cap is None:
             # no cache and no observations (training): padding is on the right, so a real query sees
             # only real keys under the causal mask alone, and the fused XLA attention applies
             out = jax.nn.dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
                                                v.transpose(0, 2, 1, 3), scale=scale, is_causal=True)
             out, probs = out.transpose(0, 2, 1, 3), None
         elif fresh:
-            if ck is not None:
-                ck = jax.lax.dynamic_update_slice(ck, k_stored[None].astype(ck.dtype), (l, 0, 0, 0, 0))
-                cv = jax.lax.dynamic_update_slice(cv, v[None].astype(cv.dtype), (l, 0, 0, 0, 0))
-                cpos = jax.lax.dynamic_update_slice(cpos, new_pos[None], (l, 0, 0, 0))
-                cvalid = jax.lax.dynamic_update_slice(cvalid, (new_pos >= 0)[None], (l, 0, 0, 0))
             if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
-                # on TPU/GPU the column mass comes from the two-pass kernel; in XLA, from the blocks' probs
-                in_blocks = observe.column_mass and resolve_implementation(None) == "xla"
-                out, mass = attend_blocked(q, k, v, positions, new_pos, scale, QUERY_BLOCK, in_blocks)
+                # on TPU/GPU the column mass comes from the two-pass kernel; in XLA (or with soft-capped
+                # logits, which the kernel does not apply), from the blocks' probs
+                in_blocks = observe.column_mass and (resolve_implementation(None) == "xla" or cap is not None)
+                out, mass = attend_blocked(q, k, v, positions, new_pos, scale, QUERY_BLOCK, in_blocks, softcap=cap)
                 if observe.column_mass and not in_blocks:
                     mass = kernels.column_mass(q, k, positions, new_pos, scale=scale)
                 probs = None
             else:
-                out, probs = attend(q, k, v, positions, new_pos, scale)
+                out, probs = attend(q, k, v, positions, new_pos, scale, softcap=cap)
         elif not commit:  # the new tokens see the cache and each other, and are not stored
             keys = jnp.concatenate([ck[l], k.astype(ck.dtype)], axis=2)
             vals = jnp.concatenate([cv[l], v.astype(cv.dtype)], axis=2)
             key_pos = jnp.concatenate([jnp.where(cvalid[l], cpos[l], -1), new_pos], axis=2)
-            out, probs = attend(q, keys, vals, positions, key_pos, scale)
+            out, probs = attend(q, keys, vals, positions, key_pos, scale, softcap=cap)
         else:
-            s = xs["slots"]  # [B, Hkv, n]
-            bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(Hkv), indexing="ij")
-            idx = (l, bi[..., None], hi[..., None], s)
-            ck = ck.at[idx].set(k_stored.astype(ck.dtype))
-            cv = cv.at[idx].set(v.astype(cv.dtype))
-            cpos = cpos.at[idx].set(new_pos)
-            cvalid = cvalid.at[idx].set(new_pos >= 0)
             keys = ck[l]
             if relative:
                 ranks = slot_ranks(cvalid[l], cpos[l])  # [B, Hkv, C]
@@ -264,20 +307,13 @@ def extend(
                 q_rank = jnp.repeat(jnp.take_along_axis(ranks, s, axis=-1), Hq // Hkv, axis=1)  # [B, Hq, n]
                 qcos, qsin = rope_tables(q_rank, inv_freq, dtype)
                 q = apply_rope(q_raw, qcos, qsin)
-            if n == 1:  # a decode step: every valid slot precedes the query; padding rows see nothing
+            if n == 1 and cap is None:  # a decode step: every valid slot precedes the query; padding rows see nothing
                 visible = cvalid[l] & (positions[:, :1] >= 0)[:, :, None]
                 out, probs = kernels.decode_attention(q[:, :, 0], keys, cv[l], visible, scale=scale)
                 out, probs = out[:, :, None], probs[:, :, :, None]
             else:
                 layer_pos = jnp.where(cvalid[l], cpos[l], -1)
-                out, probs = attend(q, keys, cv[l], positions, layer_pos, scale)
-        attn = out.transpose(0, 2, 1, 3).reshape(B, n, Hq * D)
-        h = h + _lora(_linear(attn, lp["o"], lp.get("o_bias")), attn, "o", hook)
-        x = rms_norm(h, lp["post_norm"], eps)
-        gate = _lora(_linear(x, lp["gate"], lp.get("gate_bias")), x, "gate", hook)
-        up = _lora(_linear(x, lp["up"], lp.get("up_bias")), x, "up", hook)
-        act = jax.nn.silu(gate) * up
-        h = h + _lora(_linear(act, lp["down"], lp.get("down_bias")), act, "down", hook)
+                out, probs = attend(q, keys, cv[l], positions, layer_pos, scale, softcap=cap)
         obs = {}
         if observe.window:
             obs["window_queries"] = jnp.take_along_axis(q, window_index[:, None, :, None], axis=2)
@@ -288,7 +324,7 @@ def extend(
         if observe.step_probs and not fresh:
             obs["step_probs"] = probs[:, :, :, -1, :]
         if observe.output_norms and fresh:
-            norms = output_norms(v, lp["o"], positions >= 0)
+            norms = output_norms(v, wo, positions >= 0)
             obs["output_norms"] = jnp.pad(norms, ((0, 0), (0, 0), (0, C - n)))
         if observe.query_stats >= 0 and fresh:
             obs["query_mean"], obs["query_cov"] = query_statistics(q_raw, positions, observe.query_stats)
@@ -298,23 +334,94 @@ def extend(
             mass = jnp.sum(jnp.where((positions >= 0)[:, None, None, :, None], probs, 0.0), axis=3)
             mass = mass.reshape(B, Hq, -1)
             obs["query_mass"] = jnp.pad(mass, ((0, 0), (0, 0), (0, C - mass.shape[-1]))) if fresh else mass[:, :, :C]
-        return (h, ck, cv, cpos, cvalid), obs
+        return out, obs
 
-    xs = {"params": params["layers"], "index": jnp.arange(L)}
-    if not fresh and commit:
-        xs["slots"] = slots
+    def local_attention(q, k, v, local, li):
+        """Attention of a sliding-window layer over its rolling buffer `li` (not yet written: it holds
+        earlier positions only) and the new keys: out [B,Hq,n,D]. q, k rotated with the local RoPE."""
+        keys, vals = k, v
+        k_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
+        if local is not None and not fresh:
+            bk, bv, bpos, bvalid = (x[li] for x in local)
+            keys = jnp.concatenate([bk, k.astype(bk.dtype)], axis=2)
+            vals = jnp.concatenate([bv, v.astype(bv.dtype)], axis=2)
+            k_pos = jnp.concatenate([jnp.where(bvalid, bpos, -1), k_pos], axis=2)
+        W = cfg.sliding_window
+        if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
+            return attend_blocked(q, keys, vals, positions, k_pos, scale, QUERY_BLOCK, window=W, softcap=cap)[0]
+        return attend(q, keys, vals, positions, k_pos, scale, window=W, softcap=cap)[0]
+
+    def layer(carry, xs):
+        h, ck, cv, cpos, cvalid, local = carry
+        lp, l = xs["params"], xs["index"]
+        hook = None if adapter is None else {**adapter, "lora": xs["lora"]}
+        x = norm(h, lp["input_norm"], eps)
+        q = _lora(_linear(x, lp["q"], lp.get("q_bias")), x, "q", hook).reshape(B, n, Hq, D).transpose(0, 2, 1, 3)
+        k = _lora(_linear(x, lp["k"], lp.get("k_bias")), x, "k", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
+        v = _lora(_linear(x, lp["v"], lp.get("v_bias")), x, "v", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
+        if cfg.qk_norm:
+            q = norm(q, lp["q_norm"], eps)
+            k = norm(k, lp["k_norm"], eps)
+        s = xs.get("slots")
+        q_raw, k_raw = q, k
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_stored = k_raw if relative else k
+        if has_local:
+            # Caches are written outside the `lax.cond` (the other kind's write is dropped), so that no
+            # cache buffer passes through a branch; the branches only read them.
+            local_layer = xs["is_local"]
+            ck, cv, cpos, cvalid = global_write(k_stored, v, ck, cv, cpos, cvalid, l, s, enabled=~local_layer)
+            q_loc, k_loc = apply_rope(q_raw, local_cos, local_sin), apply_rope(k_raw, local_cos, local_sin)
+
+            def run_global():
+                return global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s, lp["o"])
+
+            def run_local():  # no observations: zeros shaped as a global layer's (dropped after the scan)
+                shapes = jax.eval_shape(run_global)[1]
+                zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), shapes)
+                return local_attention(q_loc, k_loc, v, local, l), zeros
+
+            out, obs = jax.lax.cond(local_layer, run_local, run_global)
+            if local is not None and commit:
+                local = rolling_write(local, l, k_loc, v, jnp.where(local_layer, positions, -1))
+        else:
+            ck, cv, cpos, cvalid = global_write(k_stored, v, ck, cv, cpos, cvalid, l, s)
+            out, obs = global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s, lp["o"])
+        attn = out.transpose(0, 2, 1, 3).reshape(B, n, Hq * D)
+        attn_out = _lora(_linear(attn, lp["o"], lp.get("o_bias")), attn, "o", hook)
+        h = h + (norm(attn_out, lp["post_attn_norm"], eps) if cfg.gemma else attn_out)
+        x = norm(h, lp["post_norm"], eps)
+        gate = _lora(_linear(x, lp["gate"], lp.get("gate_bias")), x, "gate", hook)
+        up = _lora(_linear(x, lp["up"], lp.get("up_bias")), x, "up", hook)
+        act = act_fn(gate) * up
+        mlp = _lora(_linear(act, lp["down"], lp.get("down_bias")), act, "down", hook)
+        h = h + (norm(mlp, lp["post_mlp_norm"], eps) if cfg.gemma else mlp)
+        return (h, ck, cv, cpos, cvalid, local), obs
+
+    xs = {"params": params["layers"], "index": jnp.asarray(cache_index)}
+    if has_local:
+        xs["is_local"] = jnp.asarray(is_local)
+    if not fresh and commit:  # per scan step: the global layer's slots (those of local layers are unused)
+        xs["slots"] = slots if not has_local else slots[jnp.asarray(np.where(is_local, 0, cache_index))]
     if adapter is not None:
         xs["lora"] = adapter["lora"]
     if remat:
         layer = jax.checkpoint(layer)
-    init = (h, None, None, None, None) if cache is None else (h, cache.k, cache.v, cache.pos, cache.valid)
-    (h, ck, cv, cpos, cvalid), obs = jax.lax.scan(layer, init, xs)
-    cache = None if cache is None else KVCache(k=ck, v=cv, pos=cpos, valid=cvalid)
+    local = None if cache is None or cache.local is None else (cache.local.k, cache.local.v, cache.local.pos,
+                                                              cache.local.valid)
+    init = (h, None, None, None, None, None) if cache is None else (h, cache.k, cache.v, cache.pos, cache.valid, local)
+    (h, ck, cv, cpos, cvalid, local), obs = jax.lax.scan(layer, init, xs)
+    if has_local:  # observations of the global layers only, as the cache holds
+        obs = jax.tree.map(lambda a: a[np.asarray(cfg.global_layer_ids)], obs)
+    if cache is not None and commit:
+        local = None if local is None else KVCache(*local)
+        cache = KVCache(k=ck, v=cv, pos=cpos, valid=cvalid, local=local)
     if logit_index is not None:
         h = jnp.take_along_axis(h, logit_index[..., None], axis=1)
-    h = rms_norm(h, params["final_norm"], eps)
+    h = norm(h, params["final_norm"], eps)
     head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
     logits = jnp.einsum("bne,ev->bnv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+    logits = gemma.softcap(logits, cfg.final_logit_softcapping)
     observations = Observations(
         window_queries=obs.get("window_queries"),
         window_positions=jnp.where(window_pos >= 0, window_pos, -1) if observe.window else None,

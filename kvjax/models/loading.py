@@ -39,6 +39,19 @@ _LAYER_TENSORS = {
     "up_bias": ("mlp.up_proj.bias", False),
     "down_bias": ("mlp.down_proj.bias", False),
 }
+# Gemma's four norms per layer: "post_norm" keeps its kvjax meaning (the norm before the MLP), and the
+# outputs of the attention and of the MLP are normalised before their residual add
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_norm": ("pre_feedforward_layernorm.weight", False),
+    "post_attn_norm": ("post_attention_layernorm.weight", False),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", False),
+}
+
+
+def layer_tensors(cfg: ModelConfig | None = None) -> dict[str, tuple[str, bool]]:
+    """kvjax layer param -> (HF suffix under model.layers.{i}., transpose), for the config's family."""
+    return _GEMMA_LAYER_TENSORS if cfg is not None and cfg.gemma else _LAYER_TENSORS
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
@@ -64,16 +77,18 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
         layers.update(q_norm=(L, D), k_norm=(L, D))
     if cfg.mlp_bias:
         layers.update(gate_bias=(L, F), up_bias=(L, F), down_bias=(L, E))
+    if cfg.gemma:
+        layers.update(post_attn_norm=(L, E), post_mlp_norm=(L, E))
     shapes: dict[str, Any] = {"embed": (cfg.vocab_size, E), "final_norm": (E,), "layers": layers}
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (E, cfg.vocab_size)
     return shapes
 
 
-def hf_name(key: str, layer: int | None = None) -> str:
-    """The HF tensor name of a kvjax param (per layer for layer params)."""
+def hf_name(key: str, layer: int | None = None, cfg: ModelConfig | None = None) -> str:
+    """The HF tensor name of a kvjax param (per layer for layer params; Gemma's norms need `cfg`)."""
     if layer is not None:
-        return f"model.layers.{layer}.{_LAYER_TENSORS[key][0]}"
+        return f"model.layers.{layer}.{layer_tensors(cfg)[key][0]}"
     return {"embed": "model.embed_tokens.weight", "final_norm": "model.norm.weight", "lm_head": "lm_head.weight"}[key]
 
 
@@ -150,10 +165,10 @@ def load_params(folder: str | os.PathLike, cfg: ModelConfig) -> dict[str, Any]:
             raise KeyError(f"tensor 'lm_head.weight' is missing and tie_word_embeddings is false in {folder}")
     layers = {}
     for key, shape in shapes["layers"].items():
-        transpose = _LAYER_TENSORS[key][1]
+        transpose = layer_tensors(cfg)[key][1]
         stacked = np.empty(shape, dtype)
         for i in range(cfg.num_layers):
-            stacked[i] = read(hf_name(key, i), shape[1:], transpose)
+            stacked[i] = read(hf_name(key, i, cfg), shape[1:], transpose)
         layers[key] = stacked
     params["layers"] = layers
     return params

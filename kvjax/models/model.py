@@ -23,7 +23,7 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Model:
-    """A Llama-family model ready for `kvjax.generate`.
+    """A Llama-family (or Gemma 2 / 3) model ready for `kvjax.generate`.
 
     config: static hyperparameters; params: the weights pytree (see kvjax.models.llama);
     tokenizer: a transformers tokenizer when the checkpoint folder has one, else None (token ids only);
@@ -85,8 +85,9 @@ def load_model(
     cache_dir: str | None = None,
     tokenizer: bool = True,
 ) -> Model:
-    """Loads a Llama/Mistral/Qwen2/Qwen3 checkpoint from a local folder, a Hub id, a `.gguf` file
-    (llama, qwen2, qwen3; quantized tensors are dequantized) or "bundled" (the model shipped in kvjax).
+    """Loads a Llama/Mistral/Qwen2/Qwen3/Gemma 2/Gemma 3 (text) checkpoint from a local folder, a Hub id,
+    a `.gguf` file (llama, qwen2, qwen3; quantized tensors are dequantized) or "bundled" (the model
+    shipped in kvjax).
 
     dtype: "float32" or "bfloat16" (default: the checkpoint's torch_dtype; float32 for GGUF).
     mesh: a ("data", "model") mesh from `kvjax.make_mesh`; params are sharded by logical-axis rules.

@@ -30,6 +30,16 @@ def inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
     return inv.astype(np.float32)
 
 
+def local_inverse_frequencies(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies `[D/2]` of the sliding-window layers: default RoPE at `rope_local_theta`
+    (Gemma 3), or those of the global layers when the config has none."""
+    if cfg.rope_local_theta is None:
+        return inverse_frequencies(cfg)
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_local_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    return inv.astype(np.float32)
+
+
 def rope_tables(positions: jnp.ndarray, inv_freq: np.ndarray, dtype) -> tuple[jnp.ndarray, jnp.ndarray]:
     """cos, sin of shape `positions.shape + [D]`, computed in float32 and cast to `dtype` (as HF does)."""
     angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)

@@ -1,17 +1,20 @@
 """Logits and greedy generation against Hugging Face transformers (PyTorch, float32)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 
 import kvjax
-from kvjax.cache import KVCache
 from kvjax.models import extend
+from kvjax.models.local import init_cache
 
 from tiny_models import FAMILIES
 
 RNG = np.random.RandomState(0)
+# one compile per shape (prefill, decode step) instead of one per call
+_extend = jax.jit(extend, static_argnames=("cfg", "fresh"))
 
 
 def _ours_prefill_then_decode(model, prompts, continuation):
@@ -24,12 +27,12 @@ def _ours_prefill_then_decode(model, prompts, continuation):
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p
         positions[b, : len(p)] = np.arange(len(p))
-    cache = KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, T + n, cfg.head_dim, cfg.jnp_dtype)
-    logits, cache, _ = extend(model.params, cfg, cache, jnp.asarray(tokens), jnp.asarray(positions), fresh=True)
+    cache = init_cache(cfg, B, T + n)
+    logits, cache, _ = _extend(model.params, cfg, cache, jnp.asarray(tokens), jnp.asarray(positions), fresh=True)
     steps = []
     lengths = np.array([len(p) for p in prompts])
     for i in range(n):
-        step_logits, cache, _ = extend(model.params, cfg, cache, jnp.asarray(continuation[:, i : i + 1]),
+        step_logits, cache, _ = _extend(model.params, cfg, cache, jnp.asarray(continuation[:, i : i + 1]),
                                        jnp.asarray(lengths[:, None] + i), fresh=False)
         steps.append(np.asarray(step_logits[:, 0]))
     return np.asarray(logits), np.stack(steps, 1)
