@@ -4,12 +4,14 @@ The model is a random-weight Llama-family model of the size given by the options
 machine can run), so the numbers are about cost, not quality. "full" is the jitted prefill with
 no policy; "+eviction" is the same prefill that also records the policy's observations, scores,
 selects and compacts the cache. Both run on one prompt filling the bucket. For KVzip the
-"+eviction" prefill includes its repeat-the-context passes (its reconstruction observation).
+"+eviction" prefill includes its repeat-the-context passes (its reconstruction observation); for
+LookaheadKV, the pass of its lookahead tokens (an adapter of default size, fresh for the bench model).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import statistics
 import time
@@ -18,11 +20,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import policies
+from kvjax import lookahead, policies
 from kvjax.bench._timing import header_lines, markdown_table
 from kvjax.engine import make_plan, steps
 from kvjax.models.config import ModelConfig
 from kvjax.models.export import init_params
+from kvjax.models.model import Model
 from kvjax.sampling import Sampler
 
 HELP = "prefill time with and without eviction scoring per policy, and their ratio"
@@ -86,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
 
         for name in names:
             policy = policies.get(name)
+            adapter = None
+            if policy.requirements().observe.lookahead:  # its own modules, sized for the bench model
+                adapter = lookahead.init_adapter(Model(config=cfg, params=params))
+                policy = dataclasses.replace(policy, adapter=adapter)
             try:
                 plan = make_plan(policy, np.array([T]), cfg, budget=None, compression_ratio=args.compression_ratio,
                                  bucket=T, room=0, question_tokens=0)
@@ -93,10 +100,13 @@ def run(args: argparse.Namespace) -> int:
                 rows.append([name, T, "n/a", "n/a", "n/a", f"not run: {e}"])
                 continue
 
-            def evict(params=params, plan=plan, policy=policy):
+            def evict(params=params, plan=plan, policy=policy, adapter=adapter):
                 _, cache, obs, _ = steps.prefill(params, tokens, positions, key, capacity=T,
                                                  observe=steps.prefill_spec([policy]), rope_mode=steps.rope_mode(policy),
                                                  **common)
+                if adapter is not None:
+                    obs = obs.replace(query_mass=steps.lookahead(params, cache, positions, adapter.params, cfg=cfg,
+                                                                 config=adapter.config))
                 return steps.compress(cache, obs, plan, policy=policy, capacity=T, mesh=None)
 
             base, t = paired_medians(full, evict, args.repeats)
@@ -112,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         f"- compression_ratio {args.compression_ratio}; median of {args.repeats} runs after a compile run, "
         "the two prefills run alternately",
         "- full = jitted prefill without a policy; +eviction = the same prefill plus observations, scoring, "
-        "selection and compaction (kvzip*: its repeat-the-context passes included)", "", table, ""])
+        "selection and compaction (kvzip*: its repeat-the-context passes included; lookahead_kv: its lookahead pass)", "", table, ""])
     print(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
