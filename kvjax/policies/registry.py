@@ -130,7 +130,7 @@ def name_of(policy: Policy) -> str:
 
     def diff(preset: Policy) -> list[str]:
         return [f"{f.name}={getattr(policy, f.name)!r}" for f in dataclasses.fields(policy)
-                if f.compare and getattr(policy, f.name) != getattr(preset, f.name)]  # not e.g. an adapter
+                if f.compare and f.init and getattr(policy, f.name) != getattr(preset, f.name)]  # hyperparameters only
 
     same = {n: diff(p) for n, p in _PRESETS.items() if type(p) is type(policy)}
     if not same:

@@ -57,6 +57,9 @@ def test_policy_name_is_the_preset_of_the_class_defaults_and_labels_objects():
     assert name_of(SnapKV(window=16)) == "snapkv(window=16)"
     assert name_of(get("tova_kvpress", decode=True)) == "tova_kvpress(decode=True)"
     assert Setting(SnapKV(window=16), budget=64).policy_name == "snapkv(window=16)"
+    # an adapter (or what the policy derives from it) is no hyperparameter: not part of the name
+    adapter = policies.get("lookahead_kv").lookahead_adapter()
+    assert name_of(dataclasses.replace(get("lookahead_kv"), adapter=adapter)) == "lookahead_kv"
 
 
 KVPRESS = [n for n in policies.available() if n.endswith("_kvpress")]
