@@ -15,9 +15,10 @@ from kvjax.eval.report import SCORE_NOTE, write_reports
 from kvjax.policies.base import check_budget
 from kvjax.policies.registry import canonical_name, close_match
 
-# The default run's policies: every preset that scores a prompt from one prefill's observations or
-# evicts while decoding, and the bundled LookaheadKV adapter (2025-26 scorers that need more passes
-# or a real model, such as kvzip and expected_attention, are in `--policies all`).
+# `--policies default` (what the default run uses): every preset that scores a prompt from one
+# prefill's observations or evicts while decoding, and LookaheadKV with the bundled adapter. The
+# 2025-26 scorers (kvzip, expected_attention, critical*, defensivekv, cake_cascade) are in
+# `--policies all`; they are meant for real models and would take the default run past its budget.
 DEFAULT_POLICIES = [
     "ada_pyramidkv", "ada_snapkv", "adakv_snapkv_kvpress", "cake", "h2o", "h2o_prefill", "knorm", "knorm_kvpress",
     "lazy_eviction", "lookahead_kv", "observed_attention_kvpress", "pyramidkv", "pyramidkv_kvpress", "random",
@@ -26,7 +27,7 @@ DEFAULT_POLICIES = [
 DEFAULTS: dict[str, Any] = {
     "model": "bundled",
     "tasks": ["default"],
-    "policies": DEFAULT_POLICIES,
+    "policies": ["default"],
     "compression_ratios": [0.25, 0.5, 0.75, 0.875],
     "budgets": [],
     "context_length": 1024,
@@ -112,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                      "(default: bundled)")
     a("--tasks", nargs="+", metavar="TASK", help="task or suite names, space or comma separated (default: default)")
     a("--policies", nargs="+", metavar="POLICY",
-      help="preset names in any spelling (snapkv, SnapKV, SnapKVPress), 'all' (every registered preset), or "
-           "'none' (the full cache only) (default: the 20 presets of the recorded default run, "
-           "configs/eval_default.yaml)")
+      help="preset names in any spelling (snapkv, SnapKV, SnapKVPress); 'default' (the 20 presets of the "
+           "recorded default run, kvjax.eval.cli.DEFAULT_POLICIES), 'all' (every registered preset) or 'none' "
+           "(the full cache only) (default: default)")
     a("--compression-ratios", nargs="+", metavar="R",
       help="fractions of the prompt's KV entries removed, in [0, 1) (default: 0.25 0.5 0.75 0.875)")
     a("--budgets", nargs="+", metavar="C", help="absolute budgets, entries kept per KV head (replaces the default "
@@ -222,9 +223,11 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     names = list(cfg["policies"] or [])
     if names == ["none"]:  # the full-cache baseline alone
         names = []
-    if "all" in names:
-        names = [n for n in names if n != "all"] + [v for v in valid if v not in names
-                                                    and (v != "lookahead_kv" or _lookahead_adapter(cfg) is not None)]
+    for group, members in (("all", valid), ("default", DEFAULT_POLICIES)):  # named groups of presets
+        if group in names:
+            names = [n for n in names if n != group] + [
+                v for v in valid if v in members and v not in names
+                and (v != "lookahead_kv" or _lookahead_adapter(cfg) is not None)]
     canonical, unknown = [], []
     for n in names:  # any spelling kvjax.policies accepts ("SnapKV", "snap_kv", "SnapKVPress"): one name
         try:
@@ -234,7 +237,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
             unknown.append(repr(n) + (f" (did you mean {near!r}?)" if near else ""))
     if unknown:
         parser.error(f"unknown policy(ies) {', '.join(unknown)}. Valid policies: "
-                     f"{', '.join(valid) if valid else '(none registered)'}; or 'all', or 'none'")
+                     f"{', '.join(valid) if valid else '(none registered)'}; or 'default', 'all', or 'none'")
     cfg["policies"] = list(dict.fromkeys(canonical))
     try:
         for r in cfg["compression_ratios"]:

@@ -112,3 +112,16 @@ def test_list(capsys):
     assert main(["--list"], policies=POLICIES) == 0
     text = capsys.readouterr().out
     assert "niah_multiquery" in text and "longbench/lcc" in text and "h2o, snapkv" in text
+
+
+def test_policies_default_is_the_recorded_default_group_and_all_adds_the_rest():
+    from kvjax.eval.cli import DEFAULT_POLICIES
+
+    parser = build_parser()
+    valid = sorted(DEFAULT_POLICIES + ["kvzip", "expected_attention"])
+    default = resolve(parser.parse_args([]), parser, valid)["policies"]
+    assert default == sorted(DEFAULT_POLICIES) and "kvzip" not in default
+    every = resolve(parser.parse_args(["--policies", "all"]), parser, valid)["policies"]
+    assert every == valid
+    both = resolve(parser.parse_args(["--policies", "kvzip", "default"]), parser, valid)["policies"]
+    assert both[0] == "kvzip" and set(both) == set(DEFAULT_POLICIES) | {"kvzip"}
