@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -182,10 +182,11 @@ def _plan_error(policy: Policy, st: Setting, lengths: np.ndarray, cfg: ModelConf
 
 def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array, positions: jax.Array,
                   key: jax.Array, sampler: Sampler, *, bucket: int, capacity: int
-                  ) -> list[tuple[jax.Array, KVCache, Any] | None]:
+                  ) -> Iterator[tuple[jax.Array, KVCache, Any] | None]:
     """One model prefill per RoPE mode (recording what its runs' policies need), then each run's
-    compression (or growth to `capacity` for the full cache). Per run: first-token ids [B], the
-    cache and the policy's decode state (None for runs that are errors)."""
+    compression (or growth to `capacity` for the full cache). Yields per run: first-token ids [B],
+    the cache and the policy's decode state (None for runs that are errors). Lazily, so that only
+    one run's compressed cache is alive at a time next to the shared prefill."""
     ok = [r for r in runs if isinstance(r, _Run)]
     prefilled = {}
     for mode in dict.fromkeys(steps.rope_mode(r.policy) for r in ok):
@@ -194,11 +195,10 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
                                                       capacity=bucket, observe=spec, rope_mode=mode, sampler=sampler,
                                                       mesh=model.mesh)
         prefilled[mode] = first, cache, observations
-    out = []
     looked: dict[int, jax.Array] = {}  # one lookahead pass per adapter
     for r in runs:
         if not isinstance(r, _Run):
-            out.append(None)
+            yield None
             continue
         first, cache, observations = prefilled[steps.rope_mode(r.policy)]
         if r.policy is not None and r.policy.requirements().observe.lookahead:
@@ -210,12 +210,10 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
                                                       cfg=model.config, config=adapter.config)
             observations = observations.replace(query_mass=looked[id(adapter)])
         if r.policy is None:
-            out.append((first, steps.grow(cache, capacity=capacity, mesh=model.mesh), None))
+            yield first, steps.grow(cache, capacity=capacity, mesh=model.mesh), None
         else:
-            cache, state = steps.compress(cache, observations, r.plan, policy=r.policy, capacity=capacity,
-                                          mesh=model.mesh)
-            out.append((first, cache, state))
-    return out
+            yield (first, *steps.compress(cache, observations, r.plan, policy=r.policy, capacity=capacity,
+                                          mesh=model.mesh))
 
 
 def _entries(cache: KVCache) -> jax.Array:
