@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import kvjax
+from kvjax.bench import __main__ as bench_main
 from kvjax.engine import TRACE_COUNTS, Setting, bucket_length, generate_settings
 from kvjax.engine.inputs import split_rows
 
@@ -177,3 +178,27 @@ def test_split_batch_on_a_mesh_equals_single_device(stories, stories_path):
         np.testing.assert_allclose(b.kept, a.kept)
     # the copy's cache is allocated, so it is counted: 6 rows' caches on the mesh for 5 on one device
     assert sharded[0].cache_bytes > single[0].cache_bytes
+
+
+def test_bench_batch_subcommand(tmp_path, capsys):
+    out = tmp_path / "batch.md"
+    assert bench_main.main(["batch", "--lengths", "70,150,300", "--hidden", "64", "--layers", "1", "--heads", "4",
+                            "--kv-heads", "2", "--vocab", "128", "--new-tokens", "4", "--repeats", "1",
+                            "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "same generated tokens in all three ways: yes" in text
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| way")]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["batch (split)", "one by one", "batch (one padded)"]
+    assert "ratio to one by one" in capsys.readouterr().out
+
+
+def test_texts_of_a_split_batch_are_in_the_callers_order():
+    model = kvjax.load_model("bundled")
+    prompts = ["The magic number is 7. " * 12, "Anna lives in Paris.", "The key is blue. " * 30]
+    lengths = [len(ids) for ids in kvjax.engine.encode_prompts(model, prompts)]
+    assert len({bucket_length(n) for n in lengths}) == 3
+    out = kvjax.generate(model, prompts, max_new_tokens=6, stop_tokens=[])
+    for b, p in enumerate(prompts):
+        alone = kvjax.generate(model, [p], max_new_tokens=6, stop_tokens=[])
+        assert out.texts[b] == alone.texts[0]
+        np.testing.assert_array_equal(out.tokens[b], alone.tokens[0])
