@@ -323,11 +323,15 @@ def _merge(outs: list[GenerateOutput], parts: list[np.ndarray], B: int) -> Gener
     return GenerateOutput(**fields)
 
 
+def _data_size(model: Model) -> int:
+    """Devices along the mesh's `data` axis (the batch is sharded over it); 1 without a mesh."""
+    return 1 if model.mesh is None else int(dict(model.mesh.shape).get("data", 1))
+
+
 def _sub_batches(model: Model, batch: Batch, split: str | None) -> list[tuple[np.ndarray, Batch]]:
     """(caller's row index [b], sub-batch) pairs: `split_rows`, sub-batch sizes a multiple of the
     mesh's data axis when a mesh is set."""
-    multiple = 1 if model.mesh is None else int(model.mesh.shape["data"])
-    parts = split_rows(batch.lengths, batch.buckets, split, multiple)
+    parts = split_rows(batch.lengths, batch.buckets, split, _data_size(model))
     if len(parts) == 1 and len(parts[0]) == len(batch.rows):
         return [(parts[0], batch)]
     return [(index, batch.take(index)) for index in parts]
@@ -486,9 +490,8 @@ def continuation_logits(
         raise ValueError(f"got {len(rows)} contexts but {len(conts)} continuations: give one per context")
     lengths = np.array([len(r) for r in rows], np.int32)
     check_positions(model, int(lengths.max()), int(max(len(c) for c in conts)), what="continuation tokens")
-    multiple = 1 if model.mesh is None else int(model.mesh.shape["data"])
     out: dict[int, np.ndarray] = {}
-    for index in split_rows(lengths, buckets, split, multiple):
+    for index in split_rows(lengths, buckets, split, _data_size(model)):
         logits = _continuation_part(model, setting, [rows[i] for i in index], [conts[i] for i in index], buckets)
         for i, b in enumerate(index):
             out.setdefault(int(b), logits[i])
