@@ -7,6 +7,8 @@
 Prompts are right-padded to a length bucket; row b's prompt sits in cache slots 0..len_b-1 at
 positions 0..len_b-1, and padding is masked by position -1. Each (bucket, batch size, policy,
 budget, max_new_tokens bucket) compiles one prefill and one decode loop, reused by later calls.
+A batch whose prompts fall in several buckets runs as sub-batches, each padded only to its own
+bucket (`inputs.split_rows`; `split=None` keeps one batch padded to the longest prompt's bucket).
 """
 
 from kvjax.engine.api import (

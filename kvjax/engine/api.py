@@ -1,8 +1,9 @@
 """The public entry points: `generate`, `generate_settings`, `compress`, `continuation_logits`.
 
-One request runs: host-side encoding and bucketing (`inputs`), one jitted model prefill shared by
-every setting that needs the same RoPE mode, each setting's jitted compression, then the question
-feed and the jitted decode loop (`steps`).
+One request runs: host-side encoding and bucketing (`inputs`); then, for each sub-batch (rows
+grouped by length bucket, `inputs.split_rows`), one jitted model prefill shared by every setting
+that needs the same RoPE mode, each setting's jitted compression, the question feed and the jitted
+decode loop (`steps`); the sub-batches' outputs are put back in the caller's row order.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvjax.engine.inputs import (
     pad_rows,
     prepare,
     put_batch,
+    split_rows,
 )
 from kvjax.lookahead import check_positions as check_lookahead_positions
 from kvjax.models.config import ModelConfig
@@ -84,7 +86,10 @@ class Setting:
 class GenerateOutput:
     """tokens [B, max_new_tokens] int32 (padded with `pad_id` after a stop token);
     lengths [B]: generated tokens per row, the stop token included; texts: decoded answers
-    (None without a tokenizer); prompt_lengths [B]; cache_bytes: allocated bytes of the decode cache;
+    (None without a tokenizer); prompt_lengths [B]; cache_bytes: allocated bytes of the decode caches
+      of all rows: a batch split into sub-batches (rows in several buckets) sums its sub-batches'
+      caches, copies that fill a sub-batch up to the mesh's data axis included; the sub-batches run
+      one after another, so only one of those caches is alive at a time;
     kept [B]: KV entries kept per (layer, head) after prefill compression, averaged over layers and heads
       (layers: those a policy acts on, i.e. Gemma's global layers; its sliding-window buffers are not counted);
     kept_final [B]: the same at the end of decoding (decode-time policies evict as they go);
@@ -138,44 +143,69 @@ class _Run:
     plan: Plan | None
 
 
-def _plan_runs(model: Model, settings: Sequence[Setting], lengths: np.ndarray, *, bucket: int, room: int,
-               question_tokens: int, on_error: str) -> list[_Run | ValueError]:
-    """Resolves and plans every setting. A setting its policy rejects for these prompts (a budget
-    below what it protects, a row too short) raises, or with on_error="return" takes the error's place."""
+@dataclasses.dataclass
+class _Part:
+    """One sub-batch of a request: the caller's index of each of its rows [b] (a row may repeat:
+    copies that fill the sub-batch up), their prompt lengths [b], and the shapes its plans use."""
+
+    index: np.ndarray
+    lengths: np.ndarray
+    bucket: int
+    room: int
+    question_tokens: int
+
+    @classmethod
+    def of(cls, index: np.ndarray, batch: Batch) -> _Part:
+        return cls(index, batch.lengths, batch.bucket, batch.room, batch.q_bucket)
+
+    def plan(self, policy: Policy, st: Setting, cfg: ModelConfig, rows: slice = slice(None)) -> Plan:
+        """`make_plan` for this sub-batch's `rows`."""
+        return make_plan(policy, self.lengths[rows], cfg, budget=st.budget, compression_ratio=st.compression_ratio,
+                         bucket=self.bucket, room=self.room, question_tokens=self.question_tokens)
+
+
+def _plan_runs(model: Model, settings: Sequence[Setting], parts: list[_Part], *, on_error: str
+               ) -> list[list[_Run | ValueError]]:
+    """Resolves and plans every setting for every sub-batch: [part][setting]. A setting its policy
+    rejects for some rows (a budget below what it protects, a row too short) raises, or with
+    on_error="return" takes the error's place in every sub-batch."""
     if on_error not in ("raise", "return"):
         raise ValueError(f"on_error must be 'raise' or 'return', got {on_error!r}")
-    runs: list[_Run | ValueError] = []
-    for st in settings:
-        st = st if isinstance(st, Setting) else Setting(*st)
-        policy = None if st.policy is None else resolve(st.policy)
-        if policy is None:
-            runs.append(_Run(st, None, None))
+    settings = [st if isinstance(st, Setting) else Setting(*st) for st in settings]
+    resolved = [None if st.policy is None else resolve(st.policy) for st in settings]
+    table = [[_plan(model.config, st, policy, part) for st, policy in zip(settings, resolved)] for part in parts]
+    for s, (st, policy) in enumerate(zip(settings, resolved)):
+        err = next((row[s] for row in table if isinstance(row[s], ValueError)), None)
+        if err is None:
             continue
-        try:
-            plan = make_plan(policy, lengths, model.config, budget=st.budget, compression_ratio=st.compression_ratio,
-                             bucket=bucket, room=room, question_tokens=question_tokens)
-        except ValueError as err:
-            err = _plan_error(policy, st, lengths, model.config, err, bucket=bucket, room=room,
-                              question_tokens=question_tokens)
-            if on_error == "raise":
-                raise err from None
-            runs.append(err)
-            continue
-        runs.append(_Run(st, policy, plan))
-    return runs
+        err = _plan_error(policy, st, parts, model.config, err)
+        if on_error == "raise":
+            raise err from None
+        for row in table:
+            row[s] = err
+    return table
 
 
-def _plan_error(policy: Policy, st: Setting, lengths: np.ndarray, cfg: ModelConfig, err: ValueError, **kw: int
-                ) -> ValueError:
+def _plan(cfg: ModelConfig, st: Setting, policy: Policy | None, part: _Part) -> _Run | ValueError:
+    """The setting's run on one sub-batch, or the ValueError its policy raises for these rows."""
+    if policy is None:
+        return _Run(st, None, None)
+    try:
+        return _Run(st, policy, part.plan(policy, st, cfg))
+    except ValueError as err:
+        return err
+
+
+def _plan_error(policy: Policy, st: Setting, parts: list[_Part], cfg: ModelConfig, err: ValueError) -> ValueError:
     """The policy's refusal of a batch, naming the policy, the ratio or budget, and the first row
-    that it refuses on its own (its index and length)."""
+    (in the caller's order) that it refuses on its own (its index and length)."""
     what = f"budget={st.budget}" if st.budget is not None else f"compression_ratio={st.compression_ratio:g}"
     where = ""
-    for b, t in enumerate(lengths):
+    for b, j, i in sorted((int(b), j, i) for j, part in enumerate(parts) for i, b in enumerate(part.index)):
         try:
-            make_plan(policy, np.asarray([t]), cfg, budget=st.budget, compression_ratio=st.compression_ratio, **kw)
+            parts[j].plan(policy, st, cfg, slice(i, i + 1))
         except ValueError:
-            where = f"row {b} ({int(t)} prompt tokens): "
+            where = f"row {b} ({int(parts[j].lengths[i])} prompt tokens): "
             break
     return ValueError(f"policy {st.policy_name!r} at {what}: {where}{err}")
 
@@ -269,6 +299,54 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
                           budget_reached=reached)
 
 
+def _merge(outs: list[GenerateOutput], parts: list[np.ndarray], B: int) -> GenerateOutput:
+    """The sub-batches' outputs as one, in the caller's row order: part j's row i is the caller's
+    row parts[j][i] (copies after its first occurrence dropped); cache_bytes summed."""
+    if len(outs) == 1 and np.array_equal(parts[0], np.arange(B)):
+        return outs[0]
+    where: dict[int, tuple[int, int]] = {}
+    for j, index in enumerate(parts):
+        for i, b in enumerate(index):
+            where.setdefault(int(b), (j, i))
+    order = [where[b] for b in range(B)]
+    fields = {}
+    for f in dataclasses.fields(GenerateOutput):
+        values = [getattr(o, f.name) for o in outs]
+        if f.name == "cache_bytes":
+            fields[f.name] = sum(values)
+        elif f.name == "pad_id" or values[0] is None:
+            fields[f.name] = values[0]
+        elif isinstance(values[0], list):
+            fields[f.name] = [values[j][i] for j, i in order]
+        else:
+            fields[f.name] = np.stack([np.asarray(values[j])[i] for j, i in order])
+    return GenerateOutput(**fields)
+
+
+def _data_size(model: Model) -> int:
+    """Devices along the mesh's `data` axis (the batch is sharded over it); 1 without a mesh."""
+    return 1 if model.mesh is None else int(dict(model.mesh.shape).get("data", 1))
+
+
+def _sub_batches(model: Model, batch: Batch, split: str | None) -> list[tuple[np.ndarray, Batch]]:
+    """(caller's row index [b], sub-batch) pairs: `split_rows`, sub-batch sizes a multiple of the
+    mesh's data axis when a mesh is set."""
+    parts = split_rows(batch.lengths, batch.buckets, split, _data_size(model))
+    if len(parts) == 1 and len(parts[0]) == len(batch.rows):
+        return [(parts[0], batch)]
+    return [(index, batch.take(index)) for index in parts]
+
+
+def _generate_part(model: Model, batch: Batch, runs: list[_Run | ValueError], key: jax.Array
+                   ) -> list[GenerateOutput | ValueError]:
+    """Every run on one (sub-)batch, sharing its model prefill."""
+    k_prefill, k_rest = jax.random.split(key)
+    tokens, positions = batch.prompt_arrays(model.mesh)
+    prefilled = _prefill_runs(model, runs, tokens, positions, k_prefill, batch.sampler, bucket=batch.bucket,
+                              capacity=batch.bucket + batch.room)
+    return [r if p is None else _answer(model, batch, r, *p, k_rest) for r, p in zip(runs, prefilled)]
+
+
 def generate_settings(
     model: Model,
     prompts: Any,
@@ -285,13 +363,15 @@ def generate_settings(
     buckets: Sequence[int] = BUCKETS,
     question_tokens: int = 0,
     on_error: str = "raise",
+    split: str | None = "bucket",
 ) -> list[GenerateOutput | ValueError]:
     """`generate` for one batch under several settings, sharing the model prefill between them.
 
-    The prefill runs once per RoPE mode among the settings, recording the union of what their
-    policies observe (the widest window, column mass if any needs it); each setting then
-    compresses its own copy of that cache. Returns one output per setting, each equal to
-    `generate(model, prompts, questions=questions, **setting.kwargs(), ...)` with the same `key`.
+    The prefill runs once per sub-batch (see `split` in `generate`) and RoPE mode among the
+    settings, recording the union of what their policies observe (the widest window, column mass
+    if any needs it); each setting then compresses its own copy of that cache. Returns one output
+    per setting, each equal to `generate(model, prompts, questions=questions, **setting.kwargs(), ...)`
+    with the same `key`.
     on_error: "raise" (default), or "return": a setting that is invalid for these prompts (its
     policy rejects the budget, or a row is too short for it) gets its ValueError, naming the
     policy, the ratio or budget and the row, in its slot, and the others still run.
@@ -299,14 +379,14 @@ def generate_settings(
     batch = prepare(model, prompts, questions=questions, max_new_tokens=max_new_tokens, temperature=temperature,
                     top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, chat_template=chat_template, buckets=buckets,
                     question_tokens=question_tokens)
-    runs = _plan_runs(model, settings, batch.lengths, bucket=batch.bucket, room=batch.room,
-                      question_tokens=batch.q_bucket, on_error=on_error)
+    subs = _sub_batches(model, batch, split)
+    table = _plan_runs(model, settings, [_Part.of(index, sub) for index, sub in subs], on_error=on_error)
     key = jax.random.PRNGKey(0) if key is None else key
-    k_prefill, k_rest = jax.random.split(key)
-    tokens, positions = batch.prompt_arrays(model.mesh)
-    prefilled = _prefill_runs(model, runs, tokens, positions, k_prefill, batch.sampler, bucket=batch.bucket,
-                              capacity=batch.bucket + batch.room)
-    return [r if p is None else _answer(model, batch, r, *p, k_rest) for r, p in zip(runs, prefilled)]
+    outs = [_generate_part(model, sub, runs, key if len(subs) == 1 else jax.random.fold_in(key, j))
+            for j, ((_, sub), runs) in enumerate(zip(subs, table))]
+    index = [i for i, _ in subs]
+    return [table[0][s] if isinstance(table[0][s], ValueError) else _merge([o[s] for o in outs], index, len(batch.rows))
+            for s in range(len(table[0]))]
 
 
 def generate(
@@ -326,6 +406,7 @@ def generate(
     chat_template: bool = False,
     buckets: Sequence[int] = BUCKETS,
     question_tokens: int = 0,
+    split: str | None = "bucket",
 ) -> GenerateOutput:
     """Generates continuations for a batch of prompts of different lengths.
 
@@ -338,11 +419,22 @@ def generate(
     stop_tokens: ids that end a row (default: the model's EOS ids).
     question_tokens: pad the questions to at least this many tokens, so that calls whose questions
       differ in length share one compiled program (padding is masked; answers are unchanged).
+    split: "bucket" (default): prompts in different length buckets run as separate sub-batches, one
+      after another, each padded only to its own bucket (and its questions to their own question
+      bucket), in sub-batches of a power of two rows (times the mesh's data axis) so that a bucket
+      compiles few batch sizes (`kvjax.engine.inputs.split_rows`); outputs come back in the
+      caller's order. A batch whose prompts share one bucket runs as one batch, as does every
+      batch with split=None (all rows padded to the longest prompt's bucket, one program).
+      Greedy answers are the same either way: each row's equal what the prompt gives alone. With
+      temperature > 0 a row's draws depend on the batch it is sampled in (as they always have):
+      a split batch's sub-batch j samples with `jax.random.fold_in(key, j)`, so the same call
+      gives the same result, but a row's draws change with the other rows of the call.
     """
     setting = Setting(policy, compression_ratio, budget)
     return generate_settings(model, prompts, [setting], questions=questions, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_k=top_k, top_p=top_p, key=key, stop_tokens=stop_tokens,
-                             chat_template=chat_template, buckets=buckets, question_tokens=question_tokens)[0]
+                             chat_template=chat_template, buckets=buckets, question_tokens=question_tokens,
+                             split=split)[0]
 
 
 def compress(
@@ -356,7 +448,8 @@ def compress(
     buckets: Sequence[int] = BUCKETS,
 ) -> KVCache:
     """Prefills `prompts` and compresses the cache with `policy`, without decoding: which entries
-    each layer and KV head kept. Arguments as in `generate`.
+    each layer and KV head kept. Arguments as in `generate`; the batch is never split (one cache
+    holds every row, padded to the longest prompt's bucket).
 
     Returns the cache: k, v [L, B, Hkv, C, D]; pos [L, B, Hkv, C] (the prompt position of each slot)
     and valid [L, B, Hkv, C] (kept), over the C slots the policy compacts into.
@@ -365,8 +458,7 @@ def compress(
         raise ValueError("compress needs a policy (a registered name or a policy object), got None")
     setting = Setting(policy, compression_ratio, budget)
     batch = prepare(model, prompts, max_new_tokens=1, chat_template=chat_template, buckets=buckets)
-    runs = _plan_runs(model, [setting], batch.lengths, bucket=batch.bucket, room=batch.room, question_tokens=0,
-                      on_error="raise")
+    (runs,) = _plan_runs(model, [setting], [_Part.of(np.arange(len(batch.rows)), batch)], on_error="raise")
     tokens, positions = batch.prompt_arrays(model.mesh)
     (_, cache, _), = _prefill_runs(model, runs, tokens, positions, jax.random.PRNGKey(0), batch.sampler,
                                    bucket=batch.bucket, capacity=batch.bucket)
@@ -382,12 +474,14 @@ def continuation_logits(
     budget: int | None = None,
     compression_ratio: float | None = None,
     buckets: Sequence[int] = BUCKETS,
+    split: str | None = "bucket",
 ) -> list[np.ndarray]:
     """Teacher-forces each continuation after its (compressed) context.
 
     Returns, per row, float32 logits [len(continuation), V]: row j is the distribution after
     continuation token j (predicting token j+1), read from the cache the policy left. Compare two
     policies' outputs (e.g. against policy=None) for fidelity: next-token KL and top-1 agreement.
+    split: as in `generate` (contexts in different buckets run as separate sub-batches).
     """
     setting = Setting(policy, compression_ratio, budget)
     rows = encode_prompts(model, contexts, what="contexts")
@@ -395,11 +489,24 @@ def continuation_logits(
     if len(conts) != len(rows):
         raise ValueError(f"got {len(rows)} contexts but {len(conts)} continuations: give one per context")
     lengths = np.array([len(r) for r in rows], np.int32)
+    check_positions(model, int(lengths.max()), int(max(len(c) for c in conts)), what="continuation tokens")
+    out: dict[int, np.ndarray] = {}
+    for index in split_rows(lengths, buckets, split, _data_size(model)):
+        logits = _continuation_part(model, setting, [rows[i] for i in index], [conts[i] for i in index], buckets)
+        for i, b in enumerate(index):
+            out.setdefault(int(b), logits[i])
+    return [out[b] for b in range(len(rows))]
+
+
+def _continuation_part(model: Model, setting: Setting, rows: list[list[int]], conts: list[list[int]],
+                       buckets: Sequence[int]) -> list[np.ndarray]:
+    """`continuation_logits` of one (sub-)batch: per row, logits [len(continuation), V]."""
+    lengths = np.array([len(r) for r in rows], np.int32)
     c_lengths = np.array([len(r) for r in conts], np.int32)
-    check_positions(model, int(lengths.max()), int(c_lengths.max()), what="continuation tokens")
     T = bucket_length(int(lengths.max()), buckets)
     n = bucket_length(int(c_lengths.max()), buckets)
-    runs = _plan_runs(model, [setting], lengths, bucket=T, room=n, question_tokens=n, on_error="raise")
+    part = _Part(np.arange(len(rows)), lengths, bucket=T, room=n, question_tokens=n)
+    (runs,) = _plan_runs(model, [setting], [part], on_error="raise")
     tokens, positions = put_batch(model.mesh, *pad_rows(rows, T, pad_id(model)))
     (_, cache, _), = _prefill_runs(model, runs, tokens, positions, jax.random.PRNGKey(0), Sampler(), bucket=T,
                                    capacity=T + n)

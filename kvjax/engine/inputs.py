@@ -1,7 +1,10 @@
-"""Host-side inputs of the engine: prompt encoding and validation, length buckets, padding.
+"""Host-side inputs of the engine: prompt encoding and validation, length buckets, padding, and
+the split of a batch into sub-batches by bucket.
 
 Prompts are right-padded to a length bucket; row b's prompt sits at positions 0..len_b-1 and
-padding is marked by position -1. Buckets bound the number of compiled shapes.
+padding is marked by position -1. Buckets bound the number of compiled shapes. A batch whose
+prompts fall in several buckets runs as sub-batches, each padded only to its own bucket
+(`split_rows`), so that a short prompt never pays for the longest one.
 """
 
 from __future__ import annotations
@@ -98,7 +101,8 @@ class Batch:
     """A validated, encoded batch (host side) and its bucketed shapes.
 
     rows / q_rows: token ids of the prompts (contexts) and of their questions (None without);
-    lengths / q_lengths [B]; bucket / q_bucket: padded lengths; steps: the decode-loop bucket.
+    lengths / q_lengths [B]; bucket / q_bucket: padded lengths; steps: the decode-loop bucket;
+    buckets / question_tokens: the rules that gave bucket and q_bucket (a sub-batch reapplies them).
     """
 
     rows: list[list[int]]
@@ -112,6 +116,33 @@ class Batch:
     stop_ids: tuple[int, ...]
     pad_id: int
     sampler: Sampler
+    buckets: tuple[int, ...] = BUCKETS
+    question_tokens: int = 0
+
+    @classmethod
+    def build(cls, rows: list[list[int]], q_rows: list[list[int]] | None, *, buckets: Sequence[int],
+              question_tokens: int, max_new_tokens: int, **rest: Any) -> Batch:
+        """The batch of `rows` (and `q_rows`) with its lengths and buckets worked out; `rest`:
+        stop_ids, pad_id, sampler."""
+        B = len(rows)
+        lengths = np.array([len(r) for r in rows], np.int32)
+        q_lengths = np.array([len(r) for r in q_rows], np.int32) if q_rows else np.zeros(B, np.int32)
+        q_bucket = 0
+        if q_rows:  # questions are short and vary by task: one floor bucket lets tasks share compiled programs
+            floor = [b for b in buckets if b >= MIN_QUESTION_BUCKET] or buckets
+            q_bucket = bucket_length(max(int(q_lengths.max()), int(question_tokens)), floor)
+        return cls(rows=rows, q_rows=q_rows, lengths=lengths, q_lengths=q_lengths,
+                   bucket=bucket_length(int(lengths.max()), buckets), q_bucket=q_bucket,
+                   steps=bucket_length(int(max_new_tokens), STEP_BUCKETS), max_new_tokens=int(max_new_tokens),
+                   buckets=tuple(buckets), question_tokens=int(question_tokens), **rest)
+
+    def take(self, index: np.ndarray) -> Batch:
+        """The sub-batch of rows `index` [b] (repeats allowed), padded to its own buckets."""
+        pick = [int(i) for i in index]
+        q_rows = None if self.q_rows is None else [self.q_rows[i] for i in pick]
+        return Batch.build([self.rows[i] for i in pick], q_rows, buckets=self.buckets,
+                           question_tokens=self.question_tokens, max_new_tokens=self.max_new_tokens,
+                           stop_ids=self.stop_ids, pad_id=self.pad_id, sampler=self.sampler)
 
     @property
     def room(self) -> int:
@@ -129,12 +160,52 @@ class Batch:
         return put_batch(mesh, tokens, positions, (self.q_lengths - 1)[:, None])
 
 
+SPLITS = ("bucket", None)
+
+
+def split_rows(lengths: np.ndarray, buckets: Sequence[int] = BUCKETS, split: str | None = "bucket",
+               multiple: int = 1) -> list[np.ndarray]:
+    """The row indices [b] of each sub-batch that a batch of prompt `lengths` [B] runs as.
+
+    split=None, or rows that all fall in one length bucket: one batch, all rows in order (as ever).
+    split="bucket": rows are grouped by their bucket (shortest bucket first, the caller's order
+    within a group), and each group runs as sub-batches of `multiple` x a power of two rows, the
+    group's binary decomposition (7 rows: 4 + 2 + 1), so that no row is padded beyond its own bucket
+    and a bucket compiles at most log2(B) + 1 batch sizes, whatever the mix of lengths. A group is
+    first topped up to a multiple of `multiple` (the mesh's data axis) with copies of its last row,
+    whose outputs the caller drops.
+    """
+    if split not in SPLITS:
+        raise ValueError(f"split={split!r} must be one of {SPLITS}")
+    if multiple < 1:
+        raise ValueError(f"multiple={multiple} must be >= 1")
+    row_buckets = np.array([bucket_length(int(n), buckets) for n in lengths])
+    if split is None or len(set(row_buckets.tolist())) == 1:
+        return [np.arange(len(lengths))]
+    parts = []
+    for bucket in sorted(set(row_buckets.tolist())):
+        group = np.flatnonzero(row_buckets == bucket)
+        group = np.concatenate([group, np.repeat(group[-1:], -len(group) % multiple)])
+        parts += power_of_two_chunks(group, multiple)
+    return parts
+
+
+def power_of_two_chunks(index: np.ndarray, multiple: int = 1) -> list[np.ndarray]:
+    """index [n] (n a multiple of `multiple`) cut into chunks of `multiple` x 2^k rows, largest first."""
+    units, out, start = len(index) // multiple, [], 0
+    for k in reversed(range(units.bit_length())):
+        if units >> k & 1:
+            size = multiple << k
+            out.append(index[start:start + size])
+            start += size
+    return out
+
+
 def prepare(model: Model, prompts: Any, *, questions: Any = None, max_new_tokens: int = 64,
             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
             stop_tokens: Sequence[int] | None = None, chat_template: bool = False,
             buckets: Sequence[int] = BUCKETS, question_tokens: int = 0) -> Batch:
     """Validates and encodes a generation request (see `kvjax.generate` for the arguments)."""
-    cfg = model.config
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
     sampler = Sampler(float(temperature), top_k, top_p)
@@ -144,25 +215,20 @@ def prepare(model: Model, prompts: Any, *, questions: Any = None, max_new_tokens
         q_rows = encode_prompts(model, questions, what="questions")
         if len(q_rows) != len(rows):
             raise ValueError(f"got {len(rows)} prompts but {len(q_rows)} questions: give one question per context")
-    B = len(rows)
-    lengths = np.array([len(r) for r in rows], np.int32)
-    q_lengths = np.array([len(r) for r in q_rows], np.int32) if q_rows else np.zeros(B, np.int32)
-    check_positions(model, int((lengths + q_lengths).max()), int(max_new_tokens))
-    if stop_tokens is None:
-        stop = set(cfg.eos_token_ids)
-        if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
-            stop.add(int(model.tokenizer.eos_token_id))
-        stop_ids = tuple(sorted(stop))
-    else:
-        stop_ids = tuple(sorted({int(t) for t in stop_tokens}))
-    q_bucket = 0
-    if q_rows:  # questions are short and vary by task: one floor bucket lets tasks share compiled programs
-        floor = [b for b in buckets if b >= MIN_QUESTION_BUCKET] or buckets
-        q_bucket = bucket_length(max(int(q_lengths.max()), int(question_tokens)), floor)
-    return Batch(rows=rows, q_rows=q_rows, lengths=lengths, q_lengths=q_lengths,
-                 bucket=bucket_length(int(lengths.max()), buckets), q_bucket=q_bucket,
-                 steps=bucket_length(int(max_new_tokens), STEP_BUCKETS), max_new_tokens=int(max_new_tokens),
-                 stop_ids=stop_ids, pad_id=pad_id(model), sampler=sampler)
+    batch = Batch.build(rows, q_rows, buckets=buckets, question_tokens=question_tokens, max_new_tokens=max_new_tokens,
+                        stop_ids=stop_ids(model, stop_tokens), pad_id=pad_id(model), sampler=sampler)
+    check_positions(model, int((batch.lengths + batch.q_lengths).max()), int(max_new_tokens))
+    return batch
+
+
+def stop_ids(model: Model, stop_tokens: Sequence[int] | None) -> tuple[int, ...]:
+    """The ids that end a row: `stop_tokens`, or by default the model's (and its tokenizer's) EOS ids."""
+    if stop_tokens is not None:
+        return tuple(sorted({int(t) for t in stop_tokens}))
+    stop = set(model.config.eos_token_ids)
+    if model.tokenizer is not None and model.tokenizer.eos_token_id is not None:
+        stop.add(int(model.tokenizer.eos_token_id))
+    return tuple(sorted(stop))
 
 
 def pad_id(model: Model) -> int:

@@ -81,7 +81,10 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
     """A runner ``generate_fn`` calling `kvjax.generate` in context-then-question mode, greedy.
 
     pad_to: batches smaller than this are padded with copies of their last row (answers dropped),
-    so that a partial last batch reuses the compiled program of the full ones.
+    so that a partial last batch reuses the compiled program of the full ones. A batch holds one
+    task at one context length, so its rows share a length bucket and run as one batch; were they to
+    span buckets, the engine would split the batch by bucket and the copies would join the last
+    row's sub-batch (answers unchanged).
     min_new_tokens: every batch decodes with at least this cap, so tasks with different caps share
     one compiled decode loop; each answer is then cut to its own task's cap (greedy decoding makes
     that the answer a run with the smaller cap would give).
