@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported)
+from jax.experimental.compilation_cache import compilation_cache
 
 try:  # Mosaic TPU names (``CompilerParams`` was ``TPUCompilerParams`` before jax 0.6).
     from jax.experimental.pallas import tpu as pltpu
@@ -69,3 +70,9 @@ def prefetch_scalar_grid_spec(**kwargs: Any) -> Any:
 def vmem(shape: tuple[int, ...], dtype: Any) -> Any:
     """A VMEM scratch buffer description."""
     return pltpu.VMEM(shape, dtype)
+
+
+def reset_compilation_cache() -> None:
+    """Makes jax re-read its persistent compilation cache settings (``reset_cache``: a cache already
+    checked, or initialised at another path, would otherwise stay as it was)."""
+    compilation_cache.reset_cache()
