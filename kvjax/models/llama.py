@@ -121,7 +121,10 @@ def attend_blocked(
     return out, (mass if column_mass else None)
 
 
-QUERY_BLOCK = 1024  # prefills longer than this attend in query blocks
+QUERY_BLOCK = 1024  # prefills longer than this attend in query blocks (when probabilities are materialised)
+# False: every chunk attends with materialised probabilities (`attend`, `attend_blocked`), as before the
+# flash path existed; the reference the tests compare the flash path with. Read when `extend` is traced.
+FLASH_ATTENTION = True
 OUTPUT_NORM_BLOCK = 128  # keys per block of the output-norm observation ([B,Hq,block,E] at once)
 
 
@@ -244,8 +247,8 @@ def extend(
     # statistics, a prefill's column mass through its two-pass kernel) leave attention to the blocked flash
     # path. Without a cache (training) attention stays differentiable, and one query (a decode step) needs
     # no blocks: the plain paths below.
-    needs_probs = (cache is None or n == 1 or observe.query_mass or (observe.step_probs and not fresh)
-                   or (observe.column_mass and (not fresh or cap is not None)))
+    needs_probs = (not FLASH_ATTENTION or cache is None or n == 1 or observe.query_mass
+                   or (observe.step_probs and not fresh) or (observe.column_mass and (not fresh or cap is not None)))
     n_real = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
     window_pos = n_real[:, None] - observe.window + jnp.arange(observe.window)  # [B, w]
     window_index = jnp.maximum(window_pos, 0)
