@@ -32,6 +32,15 @@ except ImportError:  # pragma: no cover - depends on the installed jax
 
 HAS_PALLAS_TPU = pltpu is not None and hasattr(pltpu, "PrefetchScalarGridSpec")
 
+try:  # jax's splash attention (Mosaic TPU flash attention with block-sparse masks)
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+    HAS_SPLASH = hasattr(splash_kernel, "make_splash_mqa_single_device")
+except ImportError:  # pragma: no cover - depends on the installed jax
+    splash_kernel = splash_mask = None
+    HAS_SPLASH = False
+
 
 def tpu_compiler_params(dimension_semantics: tuple[str, ...], vmem_limit_bytes: int | None = None) -> Any:
     """Mosaic compiler parameters for a grid with the given per-axis semantics."""

@@ -33,7 +33,7 @@ from kvjax import kernels
 from kvjax.cache import KVCache
 from kvjax.kernels._common import masked_softmax, resolve_implementation
 from kvjax.models import gemma
-from kvjax.models.attention import flash_attention as prefill_attention
+from kvjax.models.attention import prefill_attention
 from kvjax.models.config import ModelConfig
 from kvjax.models.local import layer_plan, rolling_write
 from kvjax.models.rope import apply_rope, inverse_frequencies, local_inverse_frequencies, rope_tables, slot_ranks
@@ -295,7 +295,7 @@ def extend(
         elif fresh and not needs_probs:
             # no observation reads the probabilities: blocked flash attention, the causal upper triangle
             # skipped; its log-sum-exp is the first pass of the two-pass column mass
-            out, lse = prefill_attention(q, k, v, positions, new_pos, scale, softcap=cap)
+            out, lse = prefill_attention(q, k, v, positions, new_pos, scale, softcap=cap, own_keys=True)
             probs = None
             if observe.column_mass:
                 mass = kernels.column_mass(q, k, positions, new_pos, scale=scale, lse=lse)
@@ -375,7 +375,8 @@ def extend(
             if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
                 return attend_blocked(q, keys, vals, positions, k_pos, scale, QUERY_BLOCK, window=W, softcap=cap)[0]
             return attend(q, keys, vals, positions, k_pos, scale, window=W, softcap=cap)[0]
-        return prefill_attention(q, keys, vals, positions, k_pos, scale, window=cfg.sliding_window, softcap=cap)[0]
+        return prefill_attention(q, keys, vals, positions, k_pos, scale, window=cfg.sliding_window, softcap=cap,
+                                 own_keys=fresh)[0]
 
     def layer(carry, xs):
         h, ck, cv, cpos, cvalid, local = carry

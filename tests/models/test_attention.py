@@ -10,7 +10,7 @@ import pytest
 from kvjax import kernels
 from kvjax.kernels import _common
 from kvjax.kernels.column_mass.reference import log_sum_exp
-from kvjax.models import llama
+from kvjax.models import attention, llama
 from kvjax.models.attention import flash_attention
 
 
@@ -152,3 +152,46 @@ def test_key_block_ranges_skip_only_invisible_blocks(kind):
             assert not full[i][~every[i]].any()
         if kind == "right" and window is None:
             assert (end <= (np.arange(n // bq) + 1) * bq // bk).all()  # no block past the diagonal
+
+
+@pytest.mark.parametrize("kind, window, softcap", [("right", None, None), ("left", None, None), ("holes", 50, 2.0)])
+def test_splash_attention_interpreted_equals_attend(kind, window, softcap):
+    """jax's splash attention (TPU path, here in the Pallas interpreter) gives attend's outputs and the
+    log-sum-exp of a prefill's real queries, zeros for padding ones."""
+    rng = np.random.RandomState(6)
+    B, Hq, Hkv, n, D = 2, 4, 2, 256, 64
+    q, k, v = (jnp.asarray(rng.randn(*s), jnp.float32) for s in ((B, Hq, n, D), (B, Hkv, n, D), (B, Hkv, n, D)))
+    q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in _layout(rng, kind, B, Hkv, n, n))
+    assert bool(attention.index_causal(q_pos))
+    want, _ = llama.attend(q, k, v, q_pos, k_pos, 0.125, window=window, softcap=softcap)
+    got, lse = attention.splash_attention(q, k, v, q_pos, 0.125, window=window, softcap=softcap, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+    if window is None and softcap is None:
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(log_sum_exp(q, k, q_pos, k_pos, scale=0.125)), atol=2e-6)
+
+
+def test_prefill_attention_falls_back_when_positions_are_not_index_causal(monkeypatch):
+    """With splash selected, rows whose positions do not increase along the index take flash_attention."""
+    monkeypatch.setenv(_common.ENV_VAR, "interpret")
+    rng = np.random.RandomState(7)
+    B, Hq, Hkv, n, D = 1, 4, 2, 128, 16
+    q, k, v = (jnp.asarray(rng.randn(*s), jnp.float32) for s in ((B, Hq, n, D), (B, Hkv, n, D), (B, Hkv, n, D)))
+    q_pos = jnp.asarray(rng.permutation(n)[None], jnp.int32)
+    k_pos = jnp.broadcast_to(q_pos[:, None], (B, Hkv, n))
+    assert not bool(attention.index_causal(q_pos))
+    got, _ = attention.prefill_attention(q, k, v, q_pos, k_pos, 0.3, own_keys=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(llama.attend(q, k, v, q_pos, k_pos, 0.3)[0]), atol=2e-6)
+
+
+@pytest.mark.parametrize("n, D, dtype", [(8192, 128, jnp.bfloat16), (4096, 64, jnp.float32)])
+def test_prefill_attention_lowers_to_splash_for_tpu(monkeypatch, n, D, dtype):
+    """On TPU a prefill's attention is jax's splash kernel (Mosaic), Llama-3-8B-like and bench shapes."""
+    monkeypatch.delenv(_common.ENV_VAR, raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    Hq, Hkv = (32, 8) if D == 128 else (8, 2)
+    SD = jax.ShapeDtypeStruct
+    args = (SD((1, Hq, n, D), dtype), SD((1, Hkv, n, D), dtype), SD((1, Hkv, n, D), dtype), SD((1, n), jnp.int32),
+            SD((1, Hkv, n), jnp.int32))
+    fn = functools.partial(attention.prefill_attention, scale=D ** -0.5, own_keys=True)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    assert text.count("tpu_custom_call") >= 1
