@@ -206,6 +206,12 @@ def extend(
       window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32,
       query_mass [L,B,Hq,C] f32 (cache slots only; not for blocked prefills).
 
+    Attention: with a cache, a chunk of n > 1 tokens attends by `kvjax.models.attention.prefill_attention`
+    (blocked flash attention that visits only the key blocks its queries can see, or splash attention
+    on TPU; forward only, not reverse-differentiable) unless an observation reads the probabilities
+    (query_mass, step_probs, a chunk's column mass, a soft-capped prefill's column mass); those, one
+    token, and calls without a cache (training, differentiable) materialise them (`attend`).
+
     Models with sliding-window layers (Gemma): L above is `cfg.num_global_layers`, the cache comes from
     `kvjax.models.local.init_cache` (its `local` rolling buffers are updated here, rope_mode aside:
     local layers always keep keys at their original rotation), and the real tokens of each row must
