@@ -253,8 +253,9 @@ def extend(
     # statistics, a prefill's column mass through its two-pass kernel) leave attention to the blocked flash
     # path. Without a cache (training) attention stays differentiable, and one query (a decode step) needs
     # no blocks: the plain paths below.
-    needs_probs = (not FLASH_ATTENTION or cache is None or n == 1 or observe.query_mass
-                   or (observe.step_probs and not fresh) or (observe.column_mass and (not fresh or cap is not None)))
+    plain = not FLASH_ATTENTION or cache is None or n == 1
+    needs_probs = (plain or observe.query_mass or (observe.step_probs and not fresh)
+                   or (observe.column_mass and (not fresh or cap is not None)))
     n_real = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
     window_pos = n_real[:, None] - observe.window + jnp.arange(observe.window)  # [B, w]
     window_index = jnp.maximum(window_pos, 0)
@@ -376,7 +377,7 @@ def extend(
             keys = jnp.concatenate([bk, k.astype(bk.dtype)], axis=2)
             vals = jnp.concatenate([bv, v.astype(bv.dtype)], axis=2)
             k_pos = jnp.concatenate([jnp.where(bvalid, bpos, -1), k_pos], axis=2)
-        if needs_probs:  # differentiable without a cache (training); a decode step
+        if plain:  # differentiable without a cache (training); a decode step
             W = cfg.sliding_window
             if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
                 return attend_blocked(q, keys, vals, positions, k_pos, scale, QUERY_BLOCK, window=W, softcap=cap)[0]
