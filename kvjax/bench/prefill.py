@@ -15,6 +15,11 @@ load on the machine falls on all alike (median of N runs after a warm-up run eac
   scoring, selection and compaction.
 
 The ratios compare kvjax's prefill with transformers, and each observed prefill with kvjax's own plain one.
+
+``--attention`` adds a table of one layer's attention alone (the model's heads, batch 1) in each
+formulation considered for the prefill: torch's sdpa (causal), kvjax's blocked flash attention (the one
+used), the materialised path it replaced (`attend_blocked` in 1024-query blocks), and
+``jax.nn.dot_product_attention`` in XLA (the full T x T square; lengths up to 8192).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ from kvjax import policies
 from kvjax.bench._timing import header_lines, markdown_table
 from kvjax.bench.overhead import bench_config
 from kvjax.engine import make_plan, steps
+from kvjax.models import llama
+from kvjax.models.attention import flash_attention
 from kvjax.models.export import init_params, save_hf
 from kvjax.sampling import Sampler
 
@@ -85,6 +92,47 @@ def hf_model(params, cfg, folder: pathlib.Path):
                                                               attn_implementation="sdpa").eval()
 
 
+ATTENTION = ("torch sdpa", "kvjax flash", "attend_blocked (before)", "jax.nn.dot_product_attention (xla)")
+DPA_MAX = 8192  # the XLA dot_product_attention materialises [Hq, T, T] float32
+
+
+def attention_rows(cfg, lengths: list[int], repeats: int) -> list[list[object]]:
+    """One layer's causal attention alone, per formulation (ms, median of `repeats`)."""
+    import torch
+
+    B, Hq, Hkv, D = 1, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    scale = D ** -0.5
+    rows = []
+    for T in lengths:
+        rng = np.random.RandomState(T)
+        q, k, v = (rng.randn(B, h, T, D).astype(np.float32) for h in (Hq, Hkv, Hkv))
+        tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+        q, k, v = (jnp.asarray(x) for x in (q, k, v))
+        pos = jnp.arange(T, dtype=jnp.int32)[None]
+        kpos = jnp.broadcast_to(pos[:, None], (B, Hkv, T))
+
+        def sdpa():
+            with torch.no_grad():
+                return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=scale,
+                                                                        enable_gqa=True)
+
+        flash = jax.jit(lambda q, k, v: flash_attention(q, k, v, pos, kpos, scale)[0])
+        blocked = jax.jit(lambda q, k, v: (llama.attend_blocked(q, k, v, pos, kpos, scale, llama.QUERY_BLOCK)[0]
+                                           if T > llama.QUERY_BLOCK and T % llama.QUERY_BLOCK == 0
+                                           else llama.attend(q, k, v, pos, kpos, scale)[0]))
+        dpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), scale=scale, is_causal=True,
+            implementation="xla"))
+        fns = [sdpa] + [lambda f=f: jax.block_until_ready(f(q, k, v)) for f in (flash, blocked)]
+        if T <= DPA_MAX:
+            fns.append(lambda: jax.block_until_ready(dpa(q, k, v)))
+        times = alternating_medians(fns, repeats)
+        cells = [f"{t * 1e3:.1f}" for t in times] + ["n/a"] * (len(ATTENTION) - len(times))
+        rows.append([T, *cells, f"{times[1] / times[0]:.2f}x"])
+        print(" | ".join(str(x) for x in rows[-1]), flush=True)
+    return rows
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", nargs="+", type=int, default=[4096, 16384], help="prompt lengths")
     parser.add_argument("--hidden", type=int, default=512, help="model width")
@@ -95,6 +143,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compression-ratio", type=float, default=0.5, help="for the two policies' compaction")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per program (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPU count)")
+    parser.add_argument("--attention", action="store_true",
+                        help="add a table of one layer's attention alone per formulation (torch sdpa, kvjax flash, "
+                             "the materialised path, jax.nn.dot_product_attention)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="also write the markdown report here")
 
 
@@ -157,6 +208,14 @@ def run(args: argparse.Namespace) -> int:
         f"recording `snapkv`'s window queries / `h2o_prefill`'s column mass, then scoring, selection and "
         f"compaction at compression_ratio {args.compression_ratio}",
         "", markdown_table(COLUMNS, rows), ""])
+    if args.attention:
+        table = markdown_table(["prompt tokens", *(f"{a} ms" for a in ATTENTION), "flash / sdpa"],
+                               attention_rows(cfg, args.lengths, args.repeats))
+        report += "\n".join([
+            "", "## One layer's attention alone", "",
+            f"Batch 1, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}, float32, causal; "
+            f"the same median of {args.repeats} alternating runs. jax.nn.dot_product_attention (XLA) materialises "
+            f"the whole [Hq, T, T] square and is not run beyond {DPA_MAX} tokens.", "", table, ""])
     print(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
