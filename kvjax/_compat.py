@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 from jax.experimental import pallas as pl  # noqa: F401  (re-exported)
+from jax.experimental.compilation_cache import compilation_cache
 
 try:  # Mosaic TPU names (``CompilerParams`` was ``TPUCompilerParams`` before jax 0.6).
     from jax.experimental.pallas import tpu as pltpu
@@ -30,6 +31,15 @@ except ImportError:  # pragma: no cover - depends on the installed jax
     HAS_TRITON = False
 
 HAS_PALLAS_TPU = pltpu is not None and hasattr(pltpu, "PrefetchScalarGridSpec")
+
+try:  # jax's splash attention (Mosaic TPU flash attention with block-sparse masks)
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash_kernel
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+
+    HAS_SPLASH = hasattr(splash_kernel, "make_splash_mqa_single_device")
+except ImportError:  # pragma: no cover - depends on the installed jax
+    splash_kernel = splash_mask = None
+    HAS_SPLASH = False
 
 
 def tpu_compiler_params(dimension_semantics: tuple[str, ...], vmem_limit_bytes: int | None = None) -> Any:
@@ -69,3 +79,9 @@ def prefetch_scalar_grid_spec(**kwargs: Any) -> Any:
 def vmem(shape: tuple[int, ...], dtype: Any) -> Any:
     """A VMEM scratch buffer description."""
     return pltpu.VMEM(shape, dtype)
+
+
+def reset_compilation_cache() -> None:
+    """Makes jax re-read its persistent compilation cache settings (``reset_cache``: a cache already
+    checked, or initialised at another path, would otherwise stay as it was)."""
+    compilation_cache.reset_cache()

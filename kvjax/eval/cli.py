@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--fidelity-tokens", type=int, help="continuation tokens scored by the fidelity task (default: 32)")
     a("--lookahead", metavar="PATH", help="LookaheadKV adapter folder for lookahead_kv (default: the bundled model's, "
                                           "kvjax/assets/lookahead; without one, 'all' leaves lookahead_kv out)")
+    a("--compilation-cache", metavar="DIR|off",
+      help="folder of jax's persistent compilation cache, so that a later run skips compiling the same "
+           "programs, or 'off' (default: $XDG_CACHE_HOME/kvjax/jax or ~/.cache/kvjax/jax)")
     a("--list", action="store_true", help="list tasks, suites and policies, then exit")
     a("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -339,8 +342,11 @@ def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser
     from kvjax.eval.tasks import TASKS, TaskSkipped, generate_task
 
     if generate_fn is None:
+        from kvjax.compilation_cache import enable_compilation_cache
         from kvjax.eval import engine
 
+        if args.compilation_cache != "off":
+            enable_compilation_cache(args.compilation_cache)
         try:  # the model's positions from its config file, before loading anything
             check_positions(cfg, *engine.model_positions(cfg["model"]), parser)
             model = engine.load(cfg["model"])

@@ -7,7 +7,7 @@ Each op has a pure-jnp reference (the XLA path), a Pallas TPU (Mosaic) kernel, a
   column_mass(queries, keys, query_positions, key_positions, *, scale, lse, implementation)
   decode_attention(query, keys, values, valid, *, scale, implementation)
 
-``implementation``: None (Pallas on TPU/GPU, XLA reference on CPU), "xla", "pallas_tpu",
+``implementation``: None (Pallas on TPU/GPU, XLA reference on CPU; window_scores keeps XLA on GPU), "xla", "pallas_tpu",
 "pallas_gpu" or "interpret" (the TPU kernel in Pallas interpret mode, for CPU tests), or a
 sequence of them (the first available). Each op's ``api.TABLE`` maps these names to functions;
 the default order per backend and the ``KVJAX_KERNEL_IMPLEMENTATION`` override are in ``_dispatch``.

@@ -116,6 +116,41 @@ def block_visibility(qpos: jax.Array, kpos: jax.Array, bq: int, bk: int
     return kmin[:, :, None, :] <= qmax[:, None, :, None], qmax, kmin
 
 
+def key_block_ranges(qpos: jax.Array, kpos: jax.Array, bq: int, bk: int, window: int | None = None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The key blocks each query block must visit, for loops that skip the rest (the causal upper
+    triangle of a prefill); exact for any positions, since a skipped block holds no visible pair.
+
+    qpos [B,Tp] (-1 = padding), kpos [B,Hkv,Sp] (-1 = empty), Tp and Sp multiples of bq and bk. Query
+    i sees key j iff 0 <= kpos[j] <= qpos[i] (and kpos[j] > qpos[i] - window when given).
+    Returns, over the batch and heads together: start, end [nQ] int32, the range of key blocks that
+    may hold a visible pair (start = end = 0 when none), and full [nQ,nK] bool, the block pairs in
+    which every query sees every key (no mask needed there).
+    """
+    b, tp = qpos.shape
+    _, hkv, sp = kpos.shape
+    qb = qpos.reshape(b, tp // bq, bq)
+    kb = kpos.reshape(b, hkv, sp // bk, bk)
+    qmax = jnp.max(qb, axis=-1)[:, None, :, None]  # [B,1,nQ,1]
+    qmin = jnp.min(jnp.where(qb >= 0, qb, INT_BIG), axis=-1)[:, None, :, None]
+    qall = jnp.all(qb >= 0, axis=-1)[:, None, :, None]
+    kmin = jnp.min(jnp.where(kb >= 0, kb, INT_BIG), axis=-1)[:, :, None, :]  # [B,Hkv,1,nK]
+    kmax = jnp.max(kb, axis=-1)[:, :, None, :]
+    kall = jnp.all(kb >= 0, axis=-1)[:, :, None, :]
+    some = kmin <= qmax
+    every = qall & kall & (kmax <= qmin)
+    if window is not None:
+        some &= kmax > qmin - window
+        every &= kmin > qmax - window
+    some = jnp.any(some, axis=(0, 1))  # [nQ,nK]
+    every = jnp.all(every, axis=(0, 1))
+    idx = jnp.arange(some.shape[1], dtype=jnp.int32)
+    end = jnp.max(jnp.where(some, idx + 1, 0), axis=1).astype(jnp.int32)
+    start = jnp.min(jnp.where(some, idx, INT_BIG), axis=1)
+    start = jnp.where(end > 0, start, 0).astype(jnp.int32)
+    return start, end, every
+
+
 def last_visible_block(run: jax.Array) -> jax.Array:
     """[B,Hkv,nQ]: last key block each query block must visit (0 when none)."""
     idx = jnp.arange(run.shape[-1], dtype=jnp.int32)

@@ -3,7 +3,8 @@
 ``implementation`` (the public argument of every op) is None, one name, or a sequence of names
 ("the first available one", as tokamax's ``implementation=``). None means the environment
 variable ``KVJAX_KERNEL_IMPLEMENTATION`` when set (one name, or several separated by commas),
-else the default order of the running backend (`DEFAULT_ORDER`). Availability is a property of
+else the default order of the op on the running backend (`DEFAULT_ORDER`, with per-op exceptions
+in `OP_DEFAULT_ORDER`). Availability is a property of
 the installed jax (`AVAILABLE`); when nothing asked for is available the error lists what was
 asked, what was tried and what is available.
 """
@@ -40,30 +41,44 @@ DEFAULT_ORDER: dict[str, tuple[str, ...]] = {
 }
 
 
+# Per-op exceptions to DEFAULT_ORDER: op -> {backend: order}. The H100 run of the Pallas Triton kernels
+# (eval/kernels/README.md, eval/kernels/bench_h100_pallas_gpu*.md) has column_mass 5-7x and decode_attention
+# 1.2-1.6x faster than XLA, but window_scores 2-3.5x slower (32 query rows do not fill the GPU): XLA first there.
+OP_DEFAULT_ORDER: dict[str, dict[str, tuple[str, ...]]] = {
+    "window_scores": {"gpu": ("xla", "pallas_gpu"), "cuda": ("xla", "pallas_gpu"), "rocm": ("xla", "pallas_gpu")},
+}
+
+
+def default_order(op: str, backend: str) -> tuple[str, ...]:
+    """The implementations `op` tries on `backend` when none is asked for, best first."""
+    return OP_DEFAULT_ORDER.get(op, {}).get(backend, DEFAULT_ORDER.get(backend, ("xla",)))
+
+
 def available_implementations() -> tuple[str, ...]:
     """The implementations this jax can run (or lower), in `IMPLEMENTATIONS` order."""
     return tuple(name for name in IMPLEMENTATIONS if AVAILABLE[name][0]())
 
 
-def _requested(implementation: str | Sequence[str] | None) -> tuple[tuple[str, ...], str]:
+def _requested(implementation: str | Sequence[str] | None, op: str) -> tuple[tuple[str, ...], str]:
     """(names to try in order, where they came from)."""
     if implementation is None:
         env = os.environ.get(ENV_VAR)
         if env:
             return tuple(n.strip() for n in env.split(",")), f"${ENV_VAR}={env!r}"
         backend = jax.default_backend()
-        return DEFAULT_ORDER.get(backend, ("xla",)), f"the default order for backend {backend!r}"
+        return default_order(op, backend), f"the default order of {op} for backend {backend!r}"
     names = (implementation,) if isinstance(implementation, str) else tuple(implementation)
     return names, f"implementation={implementation!r}"
 
 
 def resolve_implementation(implementation: str | Sequence[str] | None, op: str = "kernel") -> str:
-    """The first available implementation among those asked for (see the module docstring).
+    """The first available implementation among those asked for (see the module docstring); with
+    implementation=None, the default order of `op` on the running backend (`default_order`).
 
     ValueError for a name outside `IMPLEMENTATIONS` (listing them); RuntimeError listing what was
     asked, tried and available when none of the names asked for is available.
     """
-    names, source = _requested(implementation)
+    names, source = _requested(implementation, op)
     if not names or any(not isinstance(n, str) or n not in IMPLEMENTATIONS for n in names):
         raise ValueError(f"{op}: {source} is not accepted; implementation must be None, one of "
                          f"{IMPLEMENTATIONS} or a sequence of them")

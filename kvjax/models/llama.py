@@ -33,6 +33,7 @@ from kvjax import kernels
 from kvjax.cache import KVCache
 from kvjax.kernels._common import masked_softmax, resolve_implementation
 from kvjax.models import gemma
+from kvjax.models.attention import prefill_attention
 from kvjax.models.config import ModelConfig
 from kvjax.models.local import layer_plan, rolling_write
 from kvjax.models.rope import apply_rope, inverse_frequencies, local_inverse_frequencies, rope_tables, slot_ranks
@@ -120,7 +121,10 @@ def attend_blocked(
     return out, (mass if column_mass else None)
 
 
-QUERY_BLOCK = 1024  # prefills longer than this attend in query blocks
+QUERY_BLOCK = 1024  # prefills longer than this attend in query blocks (when probabilities are materialised)
+# False: every chunk attends with materialised probabilities (`attend`, `attend_blocked`), as before the
+# flash path existed; the reference the tests compare the flash path with. Read when `extend` is traced.
+FLASH_ATTENTION = True
 OUTPUT_NORM_BLOCK = 128  # keys per block of the output-norm observation ([B,Hq,block,E] at once)
 
 
@@ -202,6 +206,12 @@ def extend(
       window_queries [L,B,Hq,w,D], column_mass [L,B,Hkv,C] f32, step_probs [L,B,Hkv,G,C] f32,
       query_mass [L,B,Hq,C] f32 (cache slots only; not for blocked prefills).
 
+    Attention: with a cache, a chunk of n > 1 tokens attends by `kvjax.models.attention.prefill_attention`
+    (blocked flash attention that visits only the key blocks its queries can see, or splash attention
+    on TPU; forward only, not reverse-differentiable) unless an observation reads the probabilities
+    (query_mass, step_probs, a chunk's column mass, a soft-capped prefill's column mass); those, one
+    token, and calls without a cache (training, differentiable) materialise them (`attend`).
+
     Models with sliding-window layers (Gemma): L above is `cfg.num_global_layers`, the cache comes from
     `kvjax.models.local.init_cache` (its `local` rolling buffers are updated here, rope_mode aside:
     local layers always keep keys at their original rotation), and the real tokens of each row must
@@ -239,6 +249,13 @@ def extend(
     else:
         h = inputs_embeds.astype(dtype)
     observe_any = bool(observe)
+    # Observations that read attention probabilities; the others (window queries, output norms, query
+    # statistics, a prefill's column mass through its two-pass kernel) leave attention to the blocked flash
+    # path. Without a cache (training) attention stays differentiable, and one query (a decode step) needs
+    # no blocks: the plain paths below.
+    plain = not FLASH_ATTENTION or cache is None or n == 1
+    needs_probs = (plain or observe.query_mass or (observe.step_probs and not fresh)
+                   or (observe.column_mass and (not fresh or cap is not None)))
     n_real = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)  # [B]
     window_pos = n_real[:, None] - observe.window + jnp.arange(observe.window)  # [B, w]
     window_index = jnp.maximum(window_pos, 0)
@@ -282,11 +299,19 @@ def extend(
             out = jax.nn.dot_product_attention(q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3),
                                                v.transpose(0, 2, 1, 3), scale=scale, is_causal=True)
             out, probs = out.transpose(0, 2, 1, 3), None
+        elif fresh and not needs_probs:
+            # no observation reads the probabilities: blocked flash attention, the causal upper triangle
+            # skipped; its log-sum-exp is the first pass of the two-pass column mass
+            out, lse = prefill_attention(q, k, v, positions, new_pos, scale, softcap=cap, own_keys=True)
+            probs = None
+            if observe.column_mass:
+                mass = kernels.column_mass(q, k, positions, new_pos, scale=scale, lse=lse)
         elif fresh:
             if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
                 # on TPU/GPU the column mass comes from the two-pass kernel; in XLA (or with soft-capped
                 # logits, which the kernel does not apply), from the blocks' probs
-                in_blocks = observe.column_mass and (resolve_implementation(None) == "xla" or cap is not None)
+                in_blocks = observe.column_mass and (resolve_implementation(None, "column_mass") == "xla"
+                                                     or cap is not None)
                 out, mass = attend_blocked(q, k, v, positions, new_pos, scale, QUERY_BLOCK, in_blocks, softcap=cap)
                 if observe.column_mass and not in_blocks:
                     mass = kernels.column_mass(q, k, positions, new_pos, scale=scale)
@@ -297,7 +322,10 @@ def extend(
             keys = jnp.concatenate([ck[l], k.astype(ck.dtype)], axis=2)
             vals = jnp.concatenate([cv[l], v.astype(cv.dtype)], axis=2)
             key_pos = jnp.concatenate([jnp.where(cvalid[l], cpos[l], -1), new_pos], axis=2)
-            out, probs = attend(q, keys, vals, positions, key_pos, scale, softcap=cap)
+            if needs_probs:
+                out, probs = attend(q, keys, vals, positions, key_pos, scale, softcap=cap)
+            else:
+                out, probs = prefill_attention(q, keys, vals, positions, key_pos, scale, softcap=cap)[0], None
         else:
             keys = ck[l]
             if relative:
@@ -313,7 +341,10 @@ def extend(
                 out, probs = out[:, :, None], probs[:, :, :, None]
             else:
                 layer_pos = jnp.where(cvalid[l], cpos[l], -1)
-                out, probs = attend(q, keys, cv[l], positions, layer_pos, scale, softcap=cap)
+                if needs_probs:
+                    out, probs = attend(q, keys, cv[l], positions, layer_pos, scale, softcap=cap)
+                else:
+                    out, probs = prefill_attention(q, keys, cv[l], positions, layer_pos, scale, softcap=cap)[0], None
         obs = {}
         if observe.window:
             obs["window_queries"] = jnp.take_along_axis(q, window_index[:, None, :, None], axis=2)
@@ -346,10 +377,13 @@ def extend(
             keys = jnp.concatenate([bk, k.astype(bk.dtype)], axis=2)
             vals = jnp.concatenate([bv, v.astype(bv.dtype)], axis=2)
             k_pos = jnp.concatenate([jnp.where(bvalid, bpos, -1), k_pos], axis=2)
-        W = cfg.sliding_window
-        if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
-            return attend_blocked(q, keys, vals, positions, k_pos, scale, QUERY_BLOCK, window=W, softcap=cap)[0]
-        return attend(q, keys, vals, positions, k_pos, scale, window=W, softcap=cap)[0]
+        if plain:  # differentiable without a cache (training); a decode step
+            W = cfg.sliding_window
+            if n > QUERY_BLOCK and n % QUERY_BLOCK == 0:
+                return attend_blocked(q, keys, vals, positions, k_pos, scale, QUERY_BLOCK, window=W, softcap=cap)[0]
+            return attend(q, keys, vals, positions, k_pos, scale, window=W, softcap=cap)[0]
+        return prefill_attention(q, keys, vals, positions, k_pos, scale, window=cfg.sliding_window, softcap=cap,
+                                 own_keys=fresh)[0]
 
     def layer(carry, xs):
         h, ck, cv, cpos, cvalid, local = carry

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from kvjax import _compat, kernels
-from kvjax.kernels import _common
+from kvjax.kernels import _common, _dispatch
 from kvjax.kernels.column_mass import api as column_api
 from kvjax.kernels.decode_attention import api as decode_api
 from kvjax.kernels.window_scores import api as window_api
@@ -35,6 +35,24 @@ def test_auto_choice_per_backend(monkeypatch, backend, expected):
     monkeypatch.delenv(_common.ENV_VAR, raising=False)
     monkeypatch.setattr(jax, "default_backend", lambda: backend)
     assert _common.resolve_implementation(None) == expected
+
+
+@pytest.mark.parametrize("backend", ["gpu", "cuda", "rocm", "tpu", "cpu"])
+def test_default_order_per_op(monkeypatch, backend):
+    """window_scores keeps XLA first on GPU (its Pallas kernel measured 2-3.5x slower on an H100,
+    eval/kernels/README.md); column_mass and decode_attention keep their Pallas kernel first."""
+    monkeypatch.delenv(_common.ENV_VAR, raising=False)
+    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    gpu = backend in ("gpu", "cuda", "rocm")
+    pallas = {"tpu": "pallas_tpu", "cpu": "xla"}.get(backend, "pallas_gpu" if _compat.HAS_TRITON else "xla")
+    assert window_api.TABLE.resolve(None) == ("xla" if gpu else pallas)
+    assert column_api.TABLE.resolve(None) == pallas
+    assert decode_api.TABLE.resolve(None) == pallas
+    assert _dispatch.default_order("window_scores", backend)[0] == ("xla" if gpu else _dispatch.DEFAULT_ORDER[backend][0])
+    for op in ("column_mass", "decode_attention"):
+        assert _dispatch.default_order(op, backend) == _dispatch.DEFAULT_ORDER[backend]
+    monkeypatch.setenv(_common.ENV_VAR, "pallas_tpu")  # the override still wins
+    assert window_api.TABLE.resolve(None) == "pallas_tpu"
 
 
 def test_auto_is_xla_on_this_cpu(monkeypatch):

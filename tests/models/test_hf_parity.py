@@ -10,7 +10,7 @@ import kvjax
 from kvjax.models import extend
 from kvjax.models.local import init_cache
 
-from tiny_models import FAMILIES
+from tiny_models import FAMILIES, build_hf
 
 RNG = np.random.RandomState(0)
 # one compile per shape (prefill, decode step) instead of one per call
@@ -109,3 +109,32 @@ def test_fixture_greedy_generation_matches_transformers(stories_path):
     prompts = [[1] + RNG.randint(3, 512, n).tolist() for n in (6, 40, 25)]
     out = kvjax.generate(model, prompts, max_new_tokens=20, stop_tokens=[])
     np.testing.assert_array_equal(out.tokens, _hf_greedy_batch(hf, prompts, 20))
+
+
+@pytest.mark.parametrize("family, left", [("llama3", False), ("qwen2", True)])
+def test_long_padded_prefill_matches_transformers(tmp_path, family, left):
+    """A batch of prompts longer than QUERY_BLOCK (so the flash prefill runs several query and key
+    blocks), right- or left-padded: every real token's logits and the cached keys and values equal
+    transformers' for each prompt alone."""
+    hf = build_hf(family, tmp_path, max_position_embeddings=2048)
+    model = kvjax.load_model(tmp_path)
+    cfg = model.config
+    lengths, T = (1500, 1100), 1500
+    prompts = [RNG.randint(3, cfg.vocab_size, n).tolist() for n in lengths]
+    tokens = np.zeros((2, T), np.int32)
+    positions = np.full((2, T), -1, np.int32)
+    for b, p in enumerate(prompts):
+        cols = slice(T - len(p), T) if left else slice(0, len(p))
+        tokens[b, cols], positions[b, cols] = p, np.arange(len(p))
+    logits, cache, _ = _extend(model.params, cfg, init_cache(cfg, 2, T), jnp.asarray(tokens), jnp.asarray(positions),
+                               fresh=True)
+    for b, p in enumerate(prompts):
+        cols = slice(T - len(p), T) if left else slice(0, len(p))
+        with torch.no_grad():
+            out = hf(torch.tensor([p]), use_cache=True)
+        ref = out.logits[0].numpy()
+        np.testing.assert_array_less(np.abs(np.asarray(logits[b, cols]) - ref).max(), 1e-4 * np.abs(ref).max())
+        for layer in range(cfg.num_layers):
+            kv = out.past_key_values.layers[layer]
+            np.testing.assert_allclose(np.asarray(cache.k[layer, b, :, cols]), kv.keys[0].numpy(), atol=1e-4)
+            np.testing.assert_allclose(np.asarray(cache.v[layer, b, :, cols]), kv.values[0].numpy(), atol=1e-4)

@@ -27,7 +27,7 @@ def window_scores(queries: jax.Array, keys: jax.Array, query_positions: jax.Arra
       scale: softmax scale applied to q.k.
       group_reduce: "mean" | "sum" | "max" over the G query heads of a KV group, or None to keep them.
       moments: names among "sum" (sum_i p), "sumsq" (sum_i p^2), "entropy" (-sum_i p log(p + 1e-10)).
-      implementation: None (Pallas on TPU/GPU, XLA on CPU), "xla", "pallas_tpu", "pallas_gpu", "interpret",
+      implementation: None (Pallas on TPU, XLA on GPU and CPU: see _dispatch.OP_DEFAULT_ORDER), "xla", "pallas_tpu", "pallas_gpu", "interpret",
         or a sequence of them (the first available; see kvjax.kernels._dispatch).
 
     Query i sees key j iff 0 <= key_positions[j] <= query_positions[i]; the softmax runs over those
