@@ -8,7 +8,7 @@ import argparse
 import os
 
 from kvjax.bench import __main__ as bench_main
-from kvjax.bench import _e2e_worker, e2e
+from kvjax.bench import _e2e_kvjax, e2e
 from kvjax.models import load_model
 
 TOY = ["--context-tokens", "80", "--question-tokens", "8", "--new-tokens", "4", "--hidden", "64", "--layers", "2",
@@ -37,7 +37,7 @@ def test_e2e_toy(tmp_path, capsys):
     res = e2e.measure(args, tmp_path)
     # the kvjax worker's answer is kvjax.generate's, here in this process on the same checkpoint and request
     request = res["inputs"]["request"]
-    expected = _e2e_worker.generate_tokens(load_model(tmp_path / "model", dtype="float32", tokenizer=False), request)
+    expected = _e2e_kvjax.generate_tokens(load_model(tmp_path / "model", dtype="float32", tokenizer=False), request)
     assert len(expected) == 4 and res["tokens"]["kvjax"] == expected
     assert res["tokens_stable"]
     assert set(res["cold"]) >= {"kvjax", "kvjax, warm cache"}

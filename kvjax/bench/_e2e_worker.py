@@ -1,9 +1,9 @@
-"""One side of ``python -m kvjax.bench e2e`` in its own process: kvjax, or kvpress (run by another
-Python, e.g. a venv with kvpress and its older transformers).
+"""kvpress's side of ``python -m kvjax.bench e2e`` in its own process, and the protocol both sides'
+worker processes speak (kvjax's side: `kvjax.bench._e2e_kvjax`).
 
-This file imports nothing of kvjax at module level, so that the kvpress side can run it by path
-(``python -P .../_e2e_worker.py kvpress ...``) without jax; the kvjax side runs it the same way
-(``python -P .../_e2e_worker.py kvjax ...``, kvjax on PYTHONPATH) so that both time their imports.
+This file imports nothing but the standard library at module level and nothing of kvjax at all, so
+that another Python (e.g. a venv with kvpress and its older transformers) runs it by path
+(``python -P .../_e2e_worker.py --model ... --request ...``) without jax.
 
 Protocol: the request (token ids and settings) is a JSON file. The worker imports its libraries,
 loads the Hugging Face checkpoint folder, writes one JSON line ``{"event": "ready", ...}`` (import and
@@ -31,7 +31,7 @@ class _IdsTokenizer:
         return " ".join(str(int(i)) for i in ids)
 
 
-def kvpress_request(folder: str, request: dict, threads: int) -> tuple[Callable[[], list[int]], dict]:
+def kvpress_request(folder: str, request: dict, args: argparse.Namespace) -> tuple[Callable[[], list[int]], dict]:
     """kvpress 0.5.x: SnapKVPress(compression_ratio) on transformers' Llama (sdpa, float32).
 
     With a question: the body of kvpress's "kv-press-text-generation" pipeline
@@ -45,7 +45,7 @@ def kvpress_request(folder: str, request: dict, threads: int) -> tuple[Callable[
     from kvpress import SnapKVPress
     from kvpress.pipeline import KVPressTextGenerationPipeline
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
     imported = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
@@ -82,41 +82,11 @@ def _dist_version(name: str) -> str:
     return version(name)
 
 
-def kvjax_request(folder: str, request: dict, cache_dir: str | None) -> tuple[Callable[[], list[int]], dict]:
-    """kvjax: `kvjax.generate` with the `snapkv_kvpress` preset, the context and question as kvpress's
-    pipeline takes them (or the plain prompt), greedy, no stop token."""
-    import jax
-
-    import kvjax
-
-    if cache_dir:
-        kvjax.enable_compilation_cache(cache_dir)
-    imported = time.perf_counter()
-    model = kvjax.load_model(folder, dtype="float32", tokenizer=False)
-    jax.block_until_ready(model.params)
-    loaded = time.perf_counter()
-
-    def run() -> list[int]:
-        return generate_tokens(model, request)
-
-    info = dict(import_s=imported - START, load_s=loaded - imported, threads=os.cpu_count(),
-                versions=f"jax {jax.__version__}, kvjax {kvjax.__version__}")
-    return run, info
-
-
-def generate_tokens(model, request: dict) -> list[int]:
-    """The kvjax side's request: its greedy answer's token ids."""
-    import kvjax
-
-    out = kvjax.generate(model, [request["context"]], questions=[request["question"]] if request["question"] else None,
-                         policy=request.get("policy", "snapkv_kvpress"), compression_ratio=request["compression_ratio"],
-                         max_new_tokens=int(request["max_new_tokens"]), stop_tokens=[])
-    return [int(t) for t in out.tokens[0, :int(out.lengths[0])]]
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("side", choices=("kvjax", "kvpress"))
+def serve(argv: list[str] | None, make_run: Callable[..., tuple[Callable[[], list[int]], dict]],
+          description: str) -> int:
+    """The worker's loop: `make_run(folder, request, args)` loads the model and returns the request's
+    function and the ready message's fields."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
     parser.add_argument("--request", required=True, help="JSON file: context, question, max_new_tokens, ...")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads (kvpress side)")
@@ -127,10 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout = sys.stderr
     with open(args.request) as f:
         request = json.load(f)
-    if args.side == "kvpress":
-        run, info = kvpress_request(args.model, request, args.threads)
-    else:
-        run, info = kvjax_request(args.model, request, args.cache_dir)
+    run, info = make_run(args.model, request, args)
     out.write(json.dumps({"event": "ready", **info}) + "\n")
     for line in sys.stdin:
         command = line.strip()
@@ -145,4 +112,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(serve(None, kvpress_request, "kvpress's side of python -m kvjax.bench e2e"))

@@ -10,8 +10,9 @@ and ``--new-tokens`` tokens are decoded greedily, no stop token (question-agnost
 seen by the compression). ``--question-tokens 0`` is a plain prompt instead (kvpress:
 ``with press(model): model.generate(...)``; kvjax: `kvjax.generate` without questions).
 
-Each side runs in its own process (`kvjax.bench._e2e_worker`); kvpress's under ``--kvpress-python``, a
-Python with kvpress installed (it pins an older transformers, so usually a separate venv). Measured:
+Each side runs in its own process (`kvjax.bench._e2e_kvjax`, `kvjax.bench._e2e_worker`); kvpress's
+under ``--kvpress-python``, a Python with kvpress installed (it pins an older transformers, so usually a
+separate venv). Measured:
 
 - cold: a fresh process's first request, compile (kvjax) and first-run costs included; also the whole
   process, start to first answer (interpreter, imports, checkpoint load). kvjax twice: with an empty
@@ -39,7 +40,7 @@ import jax
 import numpy as np
 
 import kvjax
-from kvjax.bench import _e2e_worker
+from kvjax.bench import _e2e_kvjax, _e2e_worker
 from kvjax.bench._timing import header_lines, markdown_table
 from kvjax.bench.overhead import bench_config
 from kvjax.bench.prefill import cpu_name, load_average
@@ -50,7 +51,7 @@ GOALS = {"warm": 0.6, "cold": 1.2}  # issue 14: kvjax / kvpress at most
 
 
 class Worker:
-    """A worker process (`kvjax.bench._e2e_worker`): started, ready, then one request per `run()`."""
+    """A worker process (`kvjax.bench._e2e_worker`'s protocol): started, ready, then one request per `run()`."""
 
     def __init__(self, cmd: list[str], env: dict[str, str] | None = None):
         self.started = time.perf_counter()
@@ -92,13 +93,13 @@ def kvjax_cmd(model: pathlib.Path, request: pathlib.Path, cache_dir: pathlib.Pat
     kvpress's so that its imports (jax, kvjax) are timed inside the process."""
     root = str(pathlib.Path(kvjax.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])]))
-    return [sys.executable, "-P", _e2e_worker.__file__, "kvjax", "--model", str(model), "--request", str(request),
+    return [sys.executable, "-P", _e2e_kvjax.__file__, "--model", str(model), "--request", str(request),
             "--cache-dir", str(cache_dir)], env
 
 
 def kvpress_cmd(python: str, model: pathlib.Path, request: pathlib.Path, threads: int) -> list[str]:
     """The kvpress worker, run by path (-P: its folder is not put on sys.path) so that it imports no jax."""
-    return [python, "-P", _e2e_worker.__file__, "kvpress", "--model", str(model), "--request", str(request),
+    return [python, "-P", _e2e_worker.__file__, "--model", str(model), "--request", str(request),
             "--threads", str(threads)]
 
 
@@ -130,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5, help="warm requests per side (median reported)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: the CPU count)")
     parser.add_argument("--kvpress-python", default=None,
-                        help="a Python with kvpress installed (e.g. a venv's bin/python); without it kvpress is skipped")
+                        help="a Python with kvpress installed (e.g. a venv's bin/python); without it kvpress is "
+                             "skipped")
     parser.add_argument("--workdir", type=pathlib.Path, default=None,
                         help="folder for the checkpoint, request and compilation cache (default: a temporary one)")
     parser.add_argument("--note", default=None, help="a line added to the report's header")
