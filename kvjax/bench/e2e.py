@@ -167,15 +167,14 @@ def measure(args: argparse.Namespace, folder: pathlib.Path) -> dict:
     res: dict = dict(inputs=inputs, threads=threads, kvpress_skipped=skip, cold={}, warm={}, tokens={})
     workers: dict[str, Worker] = {}
     try:
-        if not skip:
-            workers["kvpress"] = Worker(kvpress_cmd(args.kvpress_python, model, request, threads))
         cmd, env = kvjax_cmd(model, request, cache)
-        workers["kvjax"] = Worker(cmd, env)
-        runs = {}
-        for name, worker in workers.items():
-            runs[name] = worker.run()
-            res["tokens"][name] = runs[name]["tokens"]
-            res["cold"][name] = dict(worker.ready, first_s=runs[name]["seconds"], total_s=worker.first_answer_s)
+        starts = {} if skip else {"kvpress": lambda: Worker(kvpress_cmd(args.kvpress_python, model, request, threads))}
+        starts["kvjax"] = lambda: Worker(cmd, env)
+        for name, start in starts.items():  # one at a time: a cold process never waits on the other side
+            workers[name] = worker = start()
+            first = worker.run()
+            res["tokens"][name] = first["tokens"]
+            res["cold"][name] = dict(worker.ready, first_s=first["seconds"], total_s=worker.first_answer_s)
             print(f"cold {name}: {res['cold'][name]}", flush=True)
         warm_cache = Worker(cmd, env)  # a fresh process reading the compilation cache the first one wrote
         try:
@@ -191,6 +190,7 @@ def measure(args: argparse.Namespace, folder: pathlib.Path) -> dict:
             for name, worker in workers.items():
                 out = worker.run()
                 times[name].append(out["seconds"])
+                print(f"warm {name}: {out['seconds']:.3f} s", flush=True)
                 res["tokens_stable"] &= out["tokens"] == res["tokens"][name]
         res["warm"] = {name: statistics.median(t) for name, t in times.items()}
         res["warm_all"] = times
