@@ -95,8 +95,11 @@ class Setting:
         return f"r={self.compression_ratio:g}" if self.compression_ratio is not None else f"C={self.budget}"
 
     def kwargs(self) -> dict[str, Any]:
-        return {"policy": self.policy, "compression_ratio": self.compression_ratio, "budget": self.budget,
-                "prefill_chunk": self.prefill_chunk}
+        """The keyword arguments of `generate` (prefill_chunk only when set)."""
+        kw = {"policy": self.policy, "compression_ratio": self.compression_ratio, "budget": self.budget}
+        if self.prefill_chunk is not None:
+            kw["prefill_chunk"] = self.prefill_chunk
+        return kw
 
 
 @dataclasses.dataclass
@@ -543,6 +546,7 @@ def continuation_logits(
     compression_ratio: float | None = None,
     buckets: Sequence[int] = BUCKETS,
     split: str | None = "bucket",
+    prefill_chunk: int | None = None,
 ) -> list[np.ndarray]:
     """Teacher-forces each continuation after its (compressed) context.
 
@@ -550,8 +554,9 @@ def continuation_logits(
     continuation token j (predicting token j+1), read from the cache the policy left. Compare two
     policies' outputs (e.g. against policy=None) for fidelity: next-token KL and top-1 agreement.
     split: as in `generate` (contexts in different buckets run as separate sub-batches).
+    prefill_chunk: prefill the contexts in chunks, evicting after each (as in `generate`).
     """
-    setting = Setting(policy, compression_ratio, budget)
+    setting = Setting(policy, compression_ratio, budget, prefill_chunk)
     rows = encode_prompts(model, contexts, what="contexts")
     conts = encode_prompts(model, continuations, what="continuations")
     if len(conts) != len(rows):
@@ -577,7 +582,7 @@ def _continuation_part(model: Model, setting: Setting, rows: list[list[int]], co
     (runs,) = _plan_runs(model, [setting], [part], on_error="raise")
     tokens, positions = put_batch(model.mesh, *pad_rows(rows, T, pad_id(model)))
     (_, cache, _), = _prefill_runs(model, runs, tokens, positions, jax.random.PRNGKey(0), Sampler(), bucket=T,
-                                   capacity=T + n)
+                                   capacity=T + n, rows=rows, pad=pad_id(model))
     c_tokens, c_pos = pad_rows(conts, n, pad_id(model), offsets=lengths)
     index = np.broadcast_to(np.arange(n, dtype=np.int32), (len(rows), n))
     logits, _ = steps.feed(model.params, cache, *put_batch(model.mesh, c_tokens, c_pos, index), cfg=model.config,
