@@ -197,6 +197,12 @@ def test_a_budget_above_the_prompt_changes_nothing(stories):
                              prefill_chunk=32)
         np.testing.assert_array_equal(out.tokens, full.tokens)
         np.testing.assert_allclose(out.kept, [150, 97])
+    # context then question: the question is fed after the chunked prefill, as after a one-shot one
+    questions = _prompts((9, 14))
+    full = kvjax.generate(stories, prompts, questions=questions, max_new_tokens=4, stop_tokens=[])
+    out = kvjax.generate(stories, prompts, questions=questions, policy=policies.get("snapkv", window=8), budget=400,
+                         max_new_tokens=4, stop_tokens=[], prefill_chunk=32)
+    np.testing.assert_array_equal(out.tokens, full.tokens)
 
 
 # ----------------------------------------------------------------------------- memory and compilation
