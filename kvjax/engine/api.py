@@ -24,6 +24,7 @@ from kvjax.engine.inputs import (
     Batch,
     bucket_length,
     check_positions,
+    chunk_rows,
     encode_prompts,
     pad_id,
     pad_rows,
@@ -36,7 +37,7 @@ from kvjax.models.config import ModelConfig
 from kvjax.models.model import Model
 from kvjax.policies import Plan, Policy, resolve
 from kvjax.policies.base import check_budget, row_budgets
-from kvjax.policies.registry import canonical_name, name_of
+from kvjax.policies.registry import canonical_name, check_chunked_prefill, name_of
 from kvjax.sampling import Sampler
 
 
@@ -44,17 +45,32 @@ from kvjax.sampling import Sampler
 class Setting:
     """One way to run a batch: the full cache (policy None), or `policy` (a preset name or a policy
     object) at exactly one of `compression_ratio` (the fraction removed, in [0, 1)) or `budget`
-    (entries kept per KV head)."""
+    (entries kept per KV head).
+
+    prefill_chunk: None (one-shot prefill), or prefill the prompt `prefill_chunk` tokens at a time,
+    evicting down to the budget after each chunk (README, "Chunked prefill"; only policies with
+    `supports_chunked_prefill`); the budget or ratio still refers to the whole prompt."""
 
     policy: str | Policy | None = None
     compression_ratio: float | None = None
     budget: int | None = None
+    prefill_chunk: int | None = None
 
     def __post_init__(self) -> None:
+        if self.prefill_chunk is not None:
+            if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, (int, np.integer)):
+                raise TypeError(f"prefill_chunk must be an int (prompt tokens per chunk) or None, "
+                                f"got {self.prefill_chunk!r}")
+            if self.prefill_chunk < 1:
+                raise ValueError(f"prefill_chunk must be a positive number of prompt tokens, got {self.prefill_chunk}")
+            object.__setattr__(self, "prefill_chunk", int(self.prefill_chunk))
         if self.policy is None:
             if self.compression_ratio is not None or self.budget is not None:
                 raise ValueError("the full-cache setting (policy=None) takes no compression_ratio or budget: "
                                  "budget / compression_ratio need a policy (policy=None keeps the full cache)")
+            if self.prefill_chunk is not None:
+                raise ValueError("the full-cache setting (policy=None) takes no prefill_chunk: chunked prefill "
+                                 "evicts after every chunk, which needs a policy")
             return
         check_budget(self.budget, self.compression_ratio, self.policy_name)
 
@@ -79,7 +95,11 @@ class Setting:
         return f"r={self.compression_ratio:g}" if self.compression_ratio is not None else f"C={self.budget}"
 
     def kwargs(self) -> dict[str, Any]:
-        return {"policy": self.policy, "compression_ratio": self.compression_ratio, "budget": self.budget}
+        """The keyword arguments of `generate` (prefill_chunk only when set)."""
+        kw = {"policy": self.policy, "compression_ratio": self.compression_ratio, "budget": self.budget}
+        if self.prefill_chunk is not None:
+            kw["prefill_chunk"] = self.prefill_chunk
+        return kw
 
 
 @dataclasses.dataclass
@@ -191,6 +211,8 @@ def _plan(cfg: ModelConfig, st: Setting, policy: Policy | None, part: _Part) -> 
     if policy is None:
         return _Run(st, None, None)
     try:
+        if st.prefill_chunk is not None:
+            check_chunked_prefill(policy, st.prefill_chunk)
         return _Run(st, policy, part.plan(policy, st, cfg))
     except ValueError as err:
         return err
@@ -210,14 +232,42 @@ def _plan_error(policy: Policy, st: Setting, parts: list[_Part], cfg: ModelConfi
     return ValueError(f"policy {st.policy_name!r} at {what}: {where}{err}")
 
 
+def _chunked(run: _Run | ValueError) -> bool:
+    return isinstance(run, _Run) and run.policy is not None and run.setting.prefill_chunk is not None
+
+
+def _chunked_prefill(model: Model, run: _Run, rows: list[list[int]], pad: int, key: jax.Array,
+                     sampler: Sampler) -> tuple[jax.Array, KVCache, Any]:
+    """The run's chunked prefill: the prompts fed `prefill_chunk` tokens at a time (`chunk_rows`,
+    aligned on each prompt's end) into a cache of the plan's capacity + chunk slots, evicting after
+    every chunk (`steps.prefill_chunk`, one compiled program for every chunk), then moved into a
+    cache of the plan's capacity. Returns first-token ids [B], the cache and the decode state."""
+    chunk, policy, plan, cfg = run.setting.prefill_chunk, run.policy, run.plan, model.config
+    tokens, positions = chunk_rows(rows, chunk, pad)
+    cache = steps.empty_cache(cfg=cfg, batch=len(rows), capacity=plan.capacity + chunk, mesh=model.mesh)
+    spec = steps.chunk_spec(policy)
+    mass = jnp.zeros(cache.valid.shape, jnp.float32) if spec.column_mass else None
+    seen = jnp.zeros((len(rows),), jnp.int32)
+    for c in range(tokens.shape[0]):
+        tc, pc = put_batch(model.mesh, tokens[c], positions[c])
+        logits, cache, mass, seen, slot_state = steps.prefill_chunk(
+            model.params, cache, mass, seen, tc, pc, plan, cfg=cfg, policy=policy, observe=spec,
+            rope_mode=steps.rope_mode(policy), mesh=model.mesh)
+    first = sampler(logits, key)  # every row's last prompt token is in the last chunk
+    return (first, *steps.finish_chunks(cache, slot_state, plan, policy=policy, mesh=model.mesh))
+
+
 def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array, positions: jax.Array,
-                  key: jax.Array, sampler: Sampler, *, bucket: int, capacity: int
+                  key: jax.Array, sampler: Sampler, *, bucket: int, capacity: int,
+                  rows: list[list[int]] | None = None, pad: int = 0
                   ) -> Iterator[tuple[jax.Array, KVCache, Any] | None]:
     """One model prefill per RoPE mode (recording what its runs' policies need), then each run's
     compression (or growth to `capacity` for the full cache). Yields per run: first-token ids [B],
     the cache and the policy's decode state (None for runs that are errors). Lazily, so that only
-    one run's compressed cache is alive at a time next to the shared prefill."""
-    ok = [r for r in runs if isinstance(r, _Run)]
+    one run's compressed cache is alive at a time next to the shared prefill.
+    Runs with a `prefill_chunk` prefill on their own (`_chunked_prefill`, from the prompts `rows`
+    padded with `pad`); the shared prefill runs only if some other run needs it."""
+    ok = [r for r in runs if isinstance(r, _Run) and not _chunked(r)]
     prefilled = {}
     for mode in dict.fromkeys(steps.rope_mode(r.policy) for r in ok):
         spec = steps.prefill_spec([r.policy for r in ok if steps.rope_mode(r.policy) == mode])
@@ -229,6 +279,9 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
     for r in runs:
         if not isinstance(r, _Run):
             yield None
+            continue
+        if _chunked(r):
+            yield _chunked_prefill(model, r, rows, pad, key, sampler)
             continue
         first, cache, observations = prefilled[steps.rope_mode(r.policy)]
         if r.policy is not None and r.policy.requirements().observe.lookahead:
@@ -343,7 +396,7 @@ def _generate_part(model: Model, batch: Batch, runs: list[_Run | ValueError], ke
     k_prefill, k_rest = jax.random.split(key)
     tokens, positions = batch.prompt_arrays(model.mesh)
     prefilled = _prefill_runs(model, runs, tokens, positions, k_prefill, batch.sampler, bucket=batch.bucket,
-                              capacity=batch.bucket + batch.room)
+                              capacity=batch.bucket + batch.room, rows=batch.rows, pad=batch.pad_id)
     return [r if p is None else _answer(model, batch, r, *p, k_rest) for r, p in zip(runs, prefilled)]
 
 
@@ -364,6 +417,7 @@ def generate_settings(
     question_tokens: int = 0,
     on_error: str = "raise",
     split: str | None = "bucket",
+    prefill_chunk: int | None = None,
 ) -> list[GenerateOutput | ValueError]:
     """`generate` for one batch under several settings, sharing the model prefill between them.
 
@@ -375,7 +429,14 @@ def generate_settings(
     on_error: "raise" (default), or "return": a setting that is invalid for these prompts (its
     policy rejects the budget, or a row is too short for it) gets its ValueError, naming the
     policy, the ratio or budget and the row, in its slot, and the others still run.
+    prefill_chunk: the chunk of every setting with a policy and no `prefill_chunk` of its own (see
+    `generate`); the full-cache setting keeps its one-shot prefill, and chunked settings prefill on
+    their own (they share no prefill).
     """
+    settings = [st if isinstance(st, Setting) else Setting(*st) for st in settings]
+    if prefill_chunk is not None:
+        settings = [dataclasses.replace(st, prefill_chunk=prefill_chunk)
+                    if st.policy is not None and st.prefill_chunk is None else st for st in settings]
     batch = prepare(model, prompts, questions=questions, max_new_tokens=max_new_tokens, temperature=temperature,
                     top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, chat_template=chat_template, buckets=buckets,
                     question_tokens=question_tokens)
@@ -407,6 +468,7 @@ def generate(
     buckets: Sequence[int] = BUCKETS,
     question_tokens: int = 0,
     split: str | None = "bucket",
+    prefill_chunk: int | None = None,
 ) -> GenerateOutput:
     """Generates continuations for a batch of prompts of different lengths.
 
@@ -429,8 +491,15 @@ def generate(
       temperature > 0 a row's draws depend on the batch it is sampled in (as they always have):
       a split batch's sub-batch j samples with `jax.random.fold_in(key, j)`, so the same call
       gives the same result, but a row's draws change with the other rows of the call.
+    prefill_chunk: None (default) prefills each prompt in one pass, then compresses. An int N (with a
+      policy that supports it: `Policy.supports_chunked_prefill`, `policies.registry.chunked_presets()`)
+      feeds the prompt N tokens at a time into a cache of the policy's kept capacity + N slots and
+      evicts down to the budget after every chunk, so the cache never holds more than budget + N
+      (+ decode room) entries per head; `budget` / `compression_ratio` refer to the whole prompt.
+      Chunks are aligned on each prompt's end; every chunk reuses one compiled program. Scores
+      differ from the one-shot prefill's: see the README, "Chunked prefill".
     """
-    setting = Setting(policy, compression_ratio, budget)
+    setting = Setting(policy, compression_ratio, budget, prefill_chunk)
     return generate_settings(model, prompts, [setting], questions=questions, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_k=top_k, top_p=top_p, key=key, stop_tokens=stop_tokens,
                              chat_template=chat_template, buckets=buckets, question_tokens=question_tokens,
@@ -446,6 +515,7 @@ def compress(
     compression_ratio: float | None = None,
     chat_template: bool = False,
     buckets: Sequence[int] = BUCKETS,
+    prefill_chunk: int | None = None,
 ) -> KVCache:
     """Prefills `prompts` and compresses the cache with `policy`, without decoding: which entries
     each layer and KV head kept. Arguments as in `generate`; the batch is never split (one cache
@@ -453,15 +523,16 @@ def compress(
 
     Returns the cache: k, v [L, B, Hkv, C, D]; pos [L, B, Hkv, C] (the prompt position of each slot)
     and valid [L, B, Hkv, C] (kept), over the C slots the policy compacts into.
+    prefill_chunk: prefill in chunks of that many tokens, evicting after each (as in `generate`).
     """
     if policy is None:
         raise ValueError("compress needs a policy (a registered name or a policy object), got None")
-    setting = Setting(policy, compression_ratio, budget)
+    setting = Setting(policy, compression_ratio, budget, prefill_chunk)
     batch = prepare(model, prompts, max_new_tokens=1, chat_template=chat_template, buckets=buckets)
     (runs,) = _plan_runs(model, [setting], [_Part.of(np.arange(len(batch.rows)), batch)], on_error="raise")
     tokens, positions = batch.prompt_arrays(model.mesh)
     (_, cache, _), = _prefill_runs(model, runs, tokens, positions, jax.random.PRNGKey(0), batch.sampler,
-                                   bucket=batch.bucket, capacity=batch.bucket)
+                                   bucket=batch.bucket, capacity=batch.bucket, rows=batch.rows, pad=batch.pad_id)
     return cache
 
 
@@ -475,6 +546,7 @@ def continuation_logits(
     compression_ratio: float | None = None,
     buckets: Sequence[int] = BUCKETS,
     split: str | None = "bucket",
+    prefill_chunk: int | None = None,
 ) -> list[np.ndarray]:
     """Teacher-forces each continuation after its (compressed) context.
 
@@ -482,8 +554,9 @@ def continuation_logits(
     continuation token j (predicting token j+1), read from the cache the policy left. Compare two
     policies' outputs (e.g. against policy=None) for fidelity: next-token KL and top-1 agreement.
     split: as in `generate` (contexts in different buckets run as separate sub-batches).
+    prefill_chunk: prefill the contexts in chunks, evicting after each (as in `generate`).
     """
-    setting = Setting(policy, compression_ratio, budget)
+    setting = Setting(policy, compression_ratio, budget, prefill_chunk)
     rows = encode_prompts(model, contexts, what="contexts")
     conts = encode_prompts(model, continuations, what="continuations")
     if len(conts) != len(rows):
@@ -509,7 +582,7 @@ def _continuation_part(model: Model, setting: Setting, rows: list[list[int]], co
     (runs,) = _plan_runs(model, [setting], [part], on_error="raise")
     tokens, positions = put_batch(model.mesh, *pad_rows(rows, T, pad_id(model)))
     (_, cache, _), = _prefill_runs(model, runs, tokens, positions, jax.random.PRNGKey(0), Sampler(), bucket=T,
-                                   capacity=T + n)
+                                   capacity=T + n, rows=rows, pad=pad_id(model))
     c_tokens, c_pos = pad_rows(conts, n, pad_id(model), offsets=lengths)
     index = np.broadcast_to(np.arange(n, dtype=np.int32), (len(rows), n))
     logits, _ = steps.feed(model.params, cache, *put_batch(model.mesh, c_tokens, c_pos, index), cfg=model.config,

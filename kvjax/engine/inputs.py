@@ -89,6 +89,30 @@ def pad_rows(rows: list[list[int]], length: int, pad_id: int, offsets: np.ndarra
     return tokens, positions
 
 
+def chunk_rows(rows: list[list[int]], chunk: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """The prompts cut into chunks of `chunk` tokens for a chunked prefill, aligned on each prompt's
+    end: tokens, positions [K, B, chunk] with K = max ceil(len_b / chunk) chunks.
+
+    Row b's last chunk (index K - 1, for every row) holds its last `chunk` tokens, the one before
+    the `chunk` before those, and its first chunk the remainder (1..chunk tokens); the chunks before
+    that are empty (positions -1). Within a chunk the real tokens come first (right padding), so
+    every chunk but a row's first is full, and the policy's final decision sees a full window.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    K = max(-(-len(r) // chunk) for r in rows)
+    tokens = np.full((K, len(rows), chunk), pad_id, np.int32)
+    positions = np.full((K, len(rows), chunk), -1, np.int32)
+    for b, r in enumerate(rows):
+        T = len(r)
+        for c in range(K - (-(-T // chunk)), K):
+            end = T - (K - 1 - c) * chunk
+            start = max(0, end - chunk)
+            tokens[c, b, : end - start] = r[start:end]
+            positions[c, b, : end - start] = np.arange(start, end)
+    return tokens, positions
+
+
 def put_batch(mesh: jax.sharding.Mesh | None, *arrays: np.ndarray) -> tuple[jax.Array, ...]:
     """Host arrays -> device arrays, the batch axis sharded over `data` when a mesh is given."""
     if mesh is None:

@@ -1,5 +1,6 @@
 """The engine's jitted programs: model prefill, LookaheadKV's lookahead pass, policy compression,
-chunk feed and the decode loop.
+chunked prefill (a chunk appended then evicted, and the final compaction), chunk feed and the decode
+loop.
 
 The lookahead pass runs only for policies whose requirements ask for `ObservationSpec(lookahead=True)`:
 after the shared prompt prefill, the policy's adapter tokens attend to the prompt cache (never
@@ -20,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, gather_slots
 from kvjax.engine.reconstruct import reconstruction_scores
 from kvjax.lookahead import LookaheadConfig, lookahead_mass
 from kvjax.models.config import ModelConfig
@@ -96,6 +97,75 @@ def compress(cache: KVCache, observations: Observations, plan: Plan, *, policy: 
     TRACE_COUNTS["compress"] += 1
     cache, state = compress_prefill(policy, plan, cache, observations, capacity=capacity)
     return constrain(cache, mesh), state
+
+
+def chunk_spec(policy: Policy) -> ObservationSpec:
+    """What each chunk of a chunked prefill records for `policy`: its own prefill-time needs."""
+    return prefill_spec([policy])
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "capacity", "mesh"))
+def empty_cache(*, cfg: ModelConfig, batch: int, capacity: int, mesh) -> KVCache:
+    """An empty cache of `capacity` slots per head (a chunked prefill's working buffer)."""
+    return constrain(init_cache(cfg, batch, capacity), mesh)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "policy", "observe", "rope_mode", "mesh"),
+                   donate_argnames=("cache", "mass"))
+def prefill_chunk(params, cache: KVCache, mass: jax.Array | None, seen: jax.Array, tokens: jax.Array,
+                  positions: jax.Array, plan: Plan, *, cfg: ModelConfig, policy: Policy, observe: ObservationSpec,
+                  rope_mode: str, mesh) -> tuple[jax.Array, KVCache, jax.Array | None, jax.Array, object]:
+    """One chunk of a chunked prefill: appends the chunk to the cache, scores the cache with the
+    policy and evicts down to its budget, compacting the survivors into the same buffer.
+
+    cache: capacity (kept after prefill) + chunk slots, the survivors of earlier chunks first (in
+    position order). tokens, positions [B,n]: each row's chunk, right-padded (-1), possibly empty
+    (a row whose prompt starts in a later chunk, or has ended). seen [B]: prompt tokens fed so far.
+    mass [L,B,Hkv,C] (column-mass policies, else None): the attention mass every query fed so far
+    put on each surviving slot; this chunk's is added before scoring.
+    The policy scores as if the prompt ended with this chunk: `plan.lengths` becomes `seen` + the
+    chunk (its window = the chunk's last `window` queries, its protected tokens the prompt's last
+    ones so far); counts stay the whole prompt's. Rows with no real token in the chunk are left as
+    they are. Returns the logits of each row's last real token in the chunk [B,V], the compacted
+    cache, the mass, the new `seen` and the policy's per-slot state (moved with the slots).
+    The same program serves every chunk of every prompt of a bucket (static shapes).
+    """
+    TRACE_COUNTS["prefill_chunk"] += 1
+    B = tokens.shape[0]
+    real = positions >= 0
+    n_real = jnp.sum(real, axis=-1).astype(jnp.int32)
+    active = n_real > 0
+    logits, cache, obs = extend(params, cfg, cache, tokens, positions, fresh=False, observe=observe,
+                                logit_index=jnp.maximum(n_real - 1, 0)[:, None], rope_mode=rope_mode)
+    if obs.window_positions is not None:  # indices in the chunk -> absolute positions
+        wp = obs.window_positions
+        absolute = jnp.take_along_axis(positions, jnp.maximum(wp, 0), axis=1)
+        obs = obs.replace(window_positions=jnp.where((wp >= 0) & (absolute >= 0), absolute, -1))
+    if mass is not None:
+        mass = jnp.where(cache.valid, mass + obs.column_mass.astype(jnp.float32), 0.0)
+        obs = obs.replace(column_mass=mass)
+    last = jnp.max(jnp.where(real, positions, -1), axis=-1) + 1
+    seen = jnp.where(active, last, seen).astype(jnp.int32)
+    so_far = plan.replace(lengths=tuple(seen[b] for b in range(B)))
+    keep, slot_state = policy.prefill_keep(so_far, cache, obs)
+    keep = jnp.where(active[None, :, None, None], keep, cache.valid)
+    cache, src = cache.compact(keep, cache.capacity)
+    if mass is not None:
+        mass = jnp.where(cache.valid, gather_slots(mass, src), 0.0)
+    if slot_state is not None:
+        slot_state = jax.tree.map(lambda x: gather_slots(x, src), slot_state)
+    return logits[:, 0], constrain(cache, mesh), mass, seen, slot_state
+
+
+@functools.partial(jax.jit, static_argnames=("policy", "mesh"))
+def finish_chunks(cache: KVCache, slot_state, plan: Plan, *, policy: Policy, mesh) -> tuple[KVCache, object]:
+    """After the last chunk: the survivors moved into a cache of the plan's capacity (decode room
+    included) and the policy's decode state, as `compress` returns them after a one-shot prefill."""
+    TRACE_COUNTS["finish_chunks"] += 1
+    cache, src = cache.compact(cache.valid, plan.capacity)
+    if slot_state is not None:
+        slot_state = jax.tree.map(lambda x: gather_slots(x, src), slot_state)
+    return constrain(cache, mesh), policy.init_decode(plan, cache, slot_state)
 
 
 @functools.partial(jax.jit, static_argnames=("capacity", "mesh"))

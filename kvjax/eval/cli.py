@@ -44,10 +44,11 @@ DEFAULTS: dict[str, Any] = {
     "niah_haystack": "essay",
     "fidelity_tokens": 32,
     "lookahead": None,
+    "prefill_chunk": None,
 }
 # Settings that change what a sample or its answer is: a rerun into the same folder must keep them.
 RUN_IDENTITY = ("model", "context_length", "seed", "query_aware", "max_new_tokens", "data", "words",
-                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens", "lookahead")
+                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens", "lookahead", "prefill_chunk")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 EPILOG = """\
@@ -140,6 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--fidelity-tokens", type=int, help="continuation tokens scored by the fidelity task (default: 32)")
     a("--lookahead", metavar="PATH", help="LookaheadKV adapter folder for lookahead_kv (default: the bundled model's, "
                                           "kvjax/assets/lookahead; without one, 'all' leaves lookahead_kv out)")
+    a("--prefill-chunk", type=int, metavar="N",
+      help="prefill each context N tokens at a time, evicting down to the budget after every chunk (README, "
+           "'Chunked prefill'); policies without chunked prefill are skipped; the full cache stays one-shot "
+           "(default: one-shot prefill)")
     a("--compilation-cache", metavar="DIR|off",
       help="folder of jax's persistent compilation cache, so that a later run skips compiling the same "
            "programs, or 'off' (default: $XDG_CACHE_HOME/kvjax/jax or ~/.cache/kvjax/jax)")
@@ -206,6 +211,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         "niah_lengths": _ints(args.niah_lengths, "--niah-lengths", parser),
         "niah_depths": _floats(args.niah_depths, "--niah-depths", parser),
         "niah_haystack": args.niah_haystack, "fidelity_tokens": args.fidelity_tokens, "lookahead": args.lookahead,
+        "prefill_chunk": getattr(args, "prefill_chunk", None),
     }
     if args.budgets is not None and args.compression_ratios is None:
         cli["compression_ratios"] = []
@@ -252,6 +258,8 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     for key in ("context_length", "batch_size", "fidelity_tokens"):
         if int(cfg[key]) <= 0:
             parser.error(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
+    if cfg["prefill_chunk"] is not None and int(cfg["prefill_chunk"]) <= 0:
+        parser.error(f"--prefill-chunk must be positive, got {cfg['prefill_chunk']}")
     if int(cfg["num_samples"]) < 0:
         parser.error(f"--num-samples must be >= 0, got {cfg['num_samples']}")
     if cfg["max_new_tokens"] is not None and int(cfg["max_new_tokens"]) <= 0:
@@ -259,7 +267,9 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     if cfg["out"] is None:
         tag = pathlib.Path(str(cfg["model"]).rstrip("/")).name or "model"
         mode = "query-aware" if cfg["query_aware"] else "query-agnostic"
-        cfg["out"] = str(pathlib.Path("out") / "eval" / f"{tag}_L{cfg['context_length']}_{mode}_seed{cfg['seed']}")
+        chunk = "" if cfg["prefill_chunk"] is None else f"_chunk{cfg['prefill_chunk']}"
+        cfg["out"] = str(pathlib.Path("out") / "eval" /
+                         f"{tag}_L{cfg['context_length']}_{mode}_seed{cfg['seed']}{chunk}")
     return cfg
 
 
@@ -390,7 +400,20 @@ def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser
         except (FileNotFoundError, ValueError) as err:
             parser.error(str(err))
         names = [get(n, adapter=adapter) if n == "lookahead_kv" else n for n in names]
-    settings = runner.make_settings(names, cfg["compression_ratios"], cfg["budgets"])
+    if cfg["prefill_chunk"] is not None:  # policies without chunked prefill are left out, saying why
+        from kvjax.policies import resolve as resolve_policy
+
+        kept = []
+        for n in names:
+            why = resolve_policy(n).chunked_prefill_unsupported()
+            if why is None:
+                kept.append(n)
+            else:
+                print(f"skipping {n if isinstance(n, str) else resolve_policy(n).name}: no chunked prefill ({why})",
+                      file=sys.stderr)
+        names = kept
+    settings = runner.make_settings(names, cfg["compression_ratios"], cfg["budgets"],
+                                    prefill_chunk=cfg["prefill_chunk"])
     if share_shapes := getattr(generate_fn, "share_shapes", None):
         share_shapes([s for task, made in samples.items() if TASKS[task].metric != "fidelity" for s in made],
                      bool(cfg["query_aware"]))

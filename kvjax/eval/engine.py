@@ -121,10 +121,10 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
         shapes["question_tokens"] = max([len(q) for q in questions], default=0)
 
     def generate_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
-                    budget: int | None, query_aware: bool) -> list[dict[str, Any]]:
+                    budget: int | None, query_aware: bool, prefill_chunk: int | None = None) -> list[dict[str, Any]]:
         contexts, questions, kw = _inputs(samples, query_aware)
         out = engine.generate(model, kw.pop("prompts"), policy=policy, compression_ratio=compression_ratio, budget=budget,
-                       **kw)
+                       prefill_chunk=prefill_chunk, **kw)
         return _outputs(out, samples, contexts, questions)
 
     def many(samples: list[dict[str, Any]], *, settings, query_aware: bool) -> list[list[dict[str, Any]]]:
@@ -143,10 +143,10 @@ def make_logits_fn(model: Any):
     """A runner ``logits_fn`` over `kvjax.engine.continuation_logits` (teacher-forced continuation logits)."""
 
     def logits_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
-                  budget: int | None) -> list[Any]:
+                  budget: int | None, prefill_chunk: int | None = None) -> list[Any]:
         contexts = [s["metadata"]["context_ids"] for s in samples]
         continuations = [s["metadata"]["continuation_ids"] for s in samples]
         return engine.continuation_logits(model, contexts, continuations, policy=policy,
-                                   compression_ratio=compression_ratio, budget=budget)
+                                   compression_ratio=compression_ratio, budget=budget, prefill_chunk=prefill_chunk)
 
     return logits_fn

@@ -35,11 +35,14 @@ LogitsFn = Callable[..., list[Any]]
 
 
 def make_settings(policies: Sequence[str], compression_ratios: Sequence[float] = (),
-                  budgets: Sequence[int] = (), baseline: bool = True) -> list[Setting]:
-    """The full-cache baseline, then every policy at every ratio and every budget."""
+                  budgets: Sequence[int] = (), baseline: bool = True,
+                  prefill_chunk: int | None = None) -> list[Setting]:
+    """The full-cache baseline, then every policy at every ratio and every budget (each with a
+    chunked prefill of `prefill_chunk` tokens when given; the baseline stays one-shot)."""
     out = [Setting(None)] if baseline else []
-    out += [Setting(p, compression_ratio=float(r)) for p in policies for r in compression_ratios]
-    out += [Setting(p, budget=int(b)) for p in policies for b in budgets]
+    out += [Setting(p, compression_ratio=float(r), prefill_chunk=prefill_chunk)
+            for p in policies for r in compression_ratios]
+    out += [Setting(p, budget=int(b), prefill_chunk=prefill_chunk) for p in policies for b in budgets]
     return out
 
 

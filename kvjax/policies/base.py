@@ -107,6 +107,10 @@ class Policy:
     """
 
     name: ClassVar[str] = "policy"
+    # Chunked prefill (README, "Chunked prefill"): None when the policy can score the cache after every
+    # chunk of the prompt (its `prefill_keep` on that chunk's observations, over the surviving entries),
+    # else the reason it cannot, quoted in the engine's error.
+    chunked_prefill_reason: ClassVar[str | None] = "its prefill scores are defined on the whole prompt only"
 
     query_aware: bool = True
     kvpress_compat: str = "0.5.4"
@@ -122,6 +126,21 @@ class Policy:
 
     def requirements(self) -> Requirements:
         return Requirements()
+
+    def chunked_prefill_unsupported(self) -> str | None:
+        """None when the policy supports chunked prefill, else why not (`chunked_prefill_reason`)."""
+        return type(self).chunked_prefill_reason
+
+    @property
+    def supports_chunked_prefill(self) -> bool:
+        """Whether the engine may prefill a prompt in chunks under this policy, evicting after each
+        chunk (`generate(..., prefill_chunk=N)`)."""
+        return self.chunked_prefill_unsupported() is None
+
+    def chunk_minimum(self) -> int:
+        """The smallest prefill chunk this policy accepts: its observation window (the last `window`
+        queries of every chunk score the cache), at least 1."""
+        return max(1, self.requirements().observe.window)
 
     def lookahead_adapter(self) -> Any:
         """For policies whose requirements ask for `ObservationSpec(lookahead=True)`: the LookaheadKV

@@ -39,6 +39,7 @@ class Random(PrefillPolicy):
     """Keeps a pseudo-random subset of the prompt per (layer, head); no protected tokens."""
 
     name = "random"
+    chunked_prefill_reason = None
 
     seed: int = 0
 

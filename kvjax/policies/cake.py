@@ -61,6 +61,7 @@ class CAKE(PrefillPolicy):
     """
 
     name = "cake"
+    chunked_prefill_reason = None
 
     window: int = 32
     gamma: float = 200.0

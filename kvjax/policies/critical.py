@@ -59,6 +59,7 @@ class CriticalKV(PrefillPolicy):
     """
 
     name = "critical_snapkv"  # the preset equal to the class defaults (scorer=SnapKV())
+    chunked_prefill_reason = "its output-norm weights (v W_o per key) are recorded by the one-shot prefill only"
 
     scorer: PrefillPolicy = SnapKV()
     epsilon: float = 1e-4

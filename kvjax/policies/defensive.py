@@ -112,6 +112,7 @@ class DefensiveKV(PrefillPolicy):
     """
 
     name = "defensivekv"
+    chunked_prefill_reason = "its output-norm weights (v W_o per key) are recorded by the one-shot prefill only"
 
     window: int = 32
     kernel: int = 5

@@ -46,6 +46,8 @@ class ExpectedAttention(PrefillPolicy):
     with epsilon=1e-2 (`ada_expected_attention_kvpress`)."""
 
     name = "expected_attention"
+    chunked_prefill_reason = ("its query statistics cover every prompt query, recorded by the one-shot "
+                              "prefill only")
 
     n_future_positions: int = 512
     n_sink: int = 4

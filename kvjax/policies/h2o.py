@@ -38,6 +38,7 @@ class H2OPrefill(PrefillPolicy):
     """
 
     name = "h2o_prefill"
+    chunked_prefill_reason = None
 
     window: int = 8
     normalize: bool = False
@@ -75,6 +76,7 @@ class H2O(Policy):
     """
 
     name = "h2o"
+    chunked_prefill_reason = None
 
     recent: int | None = None
 

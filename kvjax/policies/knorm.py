@@ -24,6 +24,7 @@ class KNorm(PrefillPolicy):
     """
 
     name = "knorm"
+    chunked_prefill_reason = None
 
     skip_layers: tuple[int, ...] = (0, 1)
 

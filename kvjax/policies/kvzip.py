@@ -52,6 +52,7 @@ class KVzip(PrefillPolicy):
     """
 
     name = "kvzip"
+    chunked_prefill_reason = "its scores come from a pass that repeats the whole context after the prefill"
 
     chunk_size: int = 2048
     n_sink: int = 4

@@ -49,6 +49,7 @@ class LazyEviction(Policy):
     """
 
     name = "lazy_eviction"
+    chunked_prefill_reason = "it evicts nothing at prefill (it holds the whole prompt until decoding)"
 
     window: int = 175
     alpha: float = 1e-4

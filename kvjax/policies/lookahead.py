@@ -41,6 +41,8 @@ class LookaheadKV(PrefillPolicy):
     """
 
     name = "lookahead_kv"
+    chunked_prefill_reason = ("its learned tokens are trained to follow the whole prompt and run once, "
+                              "after it")
 
     adapter: Any = dataclasses.field(default=None, compare=False)
     # what the compiled scoring depends on: the adapter's config (or its path, until loaded)

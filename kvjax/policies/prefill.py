@@ -59,6 +59,17 @@ class PrefillPolicy(Policy):
     def budget_allocator(self) -> Allocator:
         return self.allocator
 
+    def chunked_prefill_unsupported(self) -> str | None:
+        reason = super().chunked_prefill_unsupported()
+        alloc = self.budget_allocator()
+        if reason is None and getattr(alloc, "cascade", False):
+            return "the cascade allocator re-evicts earlier layers during one whole-prompt pass"
+        return reason
+
+    def chunk_minimum(self) -> int:
+        """The observation window and the protected tokens (window, sinks) must fit in one chunk."""
+        return max(super().chunk_minimum(), self.protected_count())
+
     def requirements(self) -> Requirements:
         return self.scorer_requirements().merge(self.budget_allocator().requirements())
 

@@ -158,3 +158,27 @@ def resolve(policy: str | Policy) -> Policy:
     if isinstance(policy, Policy):
         return policy
     raise TypeError(f"policy must be a preset name (one of {available()}) or a Policy instance, got {policy!r}")
+
+
+def chunked_presets() -> list[str]:
+    """The presets that support chunked prefill (`Policy.supports_chunked_prefill`), sorted."""
+    return [n for n in available() if _PRESETS[n].supports_chunked_prefill]
+
+
+def check_chunked_prefill(policy: Policy, chunk: Any) -> None:
+    """Refuses a chunked prefill the policy cannot run: `chunk` (prefill tokens per chunk) must be an
+    int >= 1 and at least `policy.chunk_minimum()` (its observation window and protected tokens),
+    and the policy must support it. ValueError naming the policy and the supported presets."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int):
+        raise TypeError(f"prefill_chunk must be an int (prompt tokens per chunk) or None, got {chunk!r}")
+    if chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive number of prompt tokens, got {chunk}")
+    reason = policy.chunked_prefill_unsupported()
+    if reason is not None:
+        raise ValueError(f"policy {name_of(policy)!r} does not support chunked prefill (prefill_chunk={chunk}): "
+                         f"{reason}; presets that support it: {', '.join(chunked_presets())}")
+    least = policy.chunk_minimum()
+    if chunk < least:
+        raise ValueError(f"policy {name_of(policy)!r}: prefill_chunk={chunk} is smaller than the {least} tokens "
+                         "its observation window / protected tokens need in one chunk; use prefill_chunk >= "
+                         f"{least}")

@@ -45,6 +45,7 @@ class SnapKV(PrefillPolicy):
     """
 
     name = "snapkv"
+    chunked_prefill_reason = None
 
     window: int = 32
     kernel: int = 7

@@ -39,6 +39,7 @@ class StreamingLLM(Policy):
     """
 
     name = "streaming_llm"
+    chunked_prefill_reason = None
 
     n_sink: int = 4
     decode: bool = True

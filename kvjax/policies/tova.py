@@ -36,6 +36,7 @@ class TOVA(Policy):
     """
 
     name = "tova"
+    chunked_prefill_reason = None
 
     decode: bool = True
     protect_last: bool = False

@@ -125,3 +125,22 @@ def test_policies_default_is_the_recorded_default_group_and_all_adds_the_rest():
     assert every == valid
     both = resolve(parser.parse_args(["--policies", "kvzip", "default"]), parser, valid)["policies"]
     assert both[0] == "kvzip" and set(both) == set(DEFAULT_POLICIES) | {"kvzip"}
+
+
+def test_prefill_chunk_reaches_every_policy_setting_and_skips_unsupported_policies(tok, tmp_path, capsys):
+    cfg = _resolve(["--prefill-chunk", "64"])
+    assert cfg["prefill_chunk"] == 64 and cfg["out"].endswith("_chunk64")
+    with pytest.raises(SystemExit):
+        _resolve(["--prefill-chunk", "0"])
+    assert "--prefill-chunk must be positive" in capsys.readouterr().err
+    calls = []
+
+    def fake(samples, *, policy, compression_ratio, budget, query_aware, prefill_chunk=None):
+        calls.append((policy, prefill_chunk))
+        return [" ".join(s["answers"]) for s in samples]
+
+    argv = ["--tasks", "vt", "--num-samples", "1", "--compression-ratios", "0.5", "--policies", "snapkv", "kvzip",
+            "--prefill-chunk", "64", "--out", str(tmp_path), "--no-progress"]
+    assert main(argv, generate_fn=fake, tokenizer=tok, policies=["snapkv", "kvzip"]) == 0
+    assert set(calls) == {(None, None), ("snapkv", 64)} and len(calls) == 2
+    assert "skipping kvzip: no chunked prefill" in capsys.readouterr().err
