@@ -3,6 +3,8 @@
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# in-process `python -m kvjax.eval` runs must not turn on (and write) the user's persistent compilation cache
+os.environ.setdefault("KVJAX_COMPILATION_CACHE", "off")
 
 import jax  # noqa: E402
 

@@ -8,7 +8,7 @@ import sys
 
 import kvjax
 from kvjax.compilation_cache import default_cache_dir
-from kvjax.eval.cli import build_parser
+from kvjax.eval.cli import build_parser, compilation_cache_setting
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -59,3 +59,13 @@ def test_eval_option():
     assert parser.parse_args([]).compilation_cache is None  # the default folder
     assert parser.parse_args(["--compilation-cache", "off"]).compilation_cache == "off"
     assert parser.parse_args(["--compilation-cache", "/tmp/x"]).compilation_cache == "/tmp/x"
+
+
+def test_eval_option_falls_back_to_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVJAX_COMPILATION_CACHE", "off")
+    assert compilation_cache_setting(None) == "off"
+    assert compilation_cache_setting(str(tmp_path)) == str(tmp_path)  # the option wins
+    monkeypatch.setenv("KVJAX_COMPILATION_CACHE", str(tmp_path))
+    assert compilation_cache_setting(None) == str(tmp_path)
+    monkeypatch.delenv("KVJAX_COMPILATION_CACHE")
+    assert compilation_cache_setting(None) is None  # enable_compilation_cache's default folder

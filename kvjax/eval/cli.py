@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import shlex
 import sys
@@ -147,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
            "(default: one-shot prefill)")
     a("--compilation-cache", metavar="DIR|off",
       help="folder of jax's persistent compilation cache, so that a later run skips compiling the same "
-           "programs, or 'off' (default: $XDG_CACHE_HOME/kvjax/jax or ~/.cache/kvjax/jax)")
+           "programs, or 'off' (default: $KVJAX_COMPILATION_CACHE if set, else $XDG_CACHE_HOME/kvjax/jax or "
+           "~/.cache/kvjax/jax)")
     a("--list", action="store_true", help="list tasks, suites and policies, then exit")
     a("--no-progress", action="store_true", help="no progress bars")
     return p
@@ -345,6 +347,13 @@ def main(argv: list[str] | None = None, *, generate_fn=None, logits_fn=None, tok
         return 130
 
 
+def compilation_cache_setting(option: str | None) -> str | None:
+    """The cache folder `--compilation-cache` asks for, else $KVJAX_COMPILATION_CACHE, else None (the
+    default folder); "off" turns the cache off (the test suite sets the variable to "off", so that
+    in-process runs never write to the user's cache)."""
+    return option or os.environ.get("KVJAX_COMPILATION_CACHE") or None
+
+
 def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser, args: argparse.Namespace, *,
          generate_fn, logits_fn, tokenizer) -> int:
     from kvjax.eval import runner
@@ -355,8 +364,9 @@ def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser
         from kvjax.compilation_cache import enable_compilation_cache
         from kvjax.eval import engine
 
-        if args.compilation_cache != "off":
-            enable_compilation_cache(args.compilation_cache)
+        cache_dir = compilation_cache_setting(args.compilation_cache)
+        if cache_dir != "off":
+            enable_compilation_cache(cache_dir)
         try:  # the model's positions from its config file, before loading anything
             check_positions(cfg, *engine.model_positions(cfg["model"]), parser)
             model = engine.load(cfg["model"])
