@@ -2,11 +2,10 @@
 per-head segments for head-wise ones store only the kept entries plus the decode room, keep the
 same entries as the dense masked layout, attend as it does and give the same greedy tokens."""
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
+import numpy as np
+import pytest
 
 import kvjax
 from kvjax import policies
@@ -40,7 +39,7 @@ def test_segment_attention_equals_dense_masked_attention(hq, hkv):
     cache = random_cache(jax.random.fold_in(key, 1), 1, B, hkv, C, D, valid)
     q = jax.random.normal(jax.random.fold_in(key, 2), (B, hq, D))
     counts = np.asarray(cache.num_valid())
-    (kind, S), = layout = choose_layout(counts, room=2)
+    (kind, S), = choose_layout(counts, room=2)
     assert kind == "segmented"
     layer = from_cache(cache, (("segmented", S),), room=2).layers[0]
     seg = jnp.where(layer.pos >= 0, layer.seg, -1)
@@ -154,7 +153,7 @@ def test_decode_time_policies_stay_dense(stories):
 @pytest.mark.parametrize("name", ["pyramidkv", "ada_snapkv"])
 def test_no_recompilation_within_a_bucket(stories, name):
     policy, _ = POLICIES[name]
-    run = lambda n: kvjax.generate(stories, [[1] + RNG.randint(3, 512, n - 1).tolist()], policy=policy,  # noqa: E731
+    run = lambda n: kvjax.generate(stories, [[1] + RNG.randint(3, 512, n - 1).tolist()], policy=policy,
                                    budget=48, max_new_tokens=N, stop_tokens=[], cache_layout="ragged")
     run(200)
     before = dict(steps.TRACE_COUNTS)
