@@ -28,6 +28,7 @@ from kvjax.models.config import ModelConfig
 from kvjax.models.llama import extend
 from kvjax.models.local import init_cache
 from kvjax.models.ragged import decode_step as ragged_decode_step
+from kvjax.models.ragged import split_layers
 from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.base import Plan, Policy, compress_prefill
 from kvjax.sampling import Sampler
@@ -194,10 +195,12 @@ def decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Arr
     ragged = isinstance(cache, RaggedCache)
     if ragged and (policy is not None or rope_mode != "original"):
         raise ValueError("decode: a RaggedCache decodes without decode-time eviction, in rope_mode 'original'")
+    layer_params = split_layers(params) if ragged else None  # sliced once, outside the loop
 
     def body(s: DecodeState) -> DecodeState:
         if ragged:
-            logits, cache = ragged_decode_step(params, cfg, s.cache, s.last, jnp.where(s.done, -1, s.pos))
+            logits, cache = ragged_decode_step(params, cfg, s.cache, s.last, jnp.where(s.done, -1, s.pos),
+                                               layer_params)
             key, sub = jax.random.split(s.key)
             nxt = jnp.where(s.done, pad_id, sampler(logits, sub))
             active = ~s.done

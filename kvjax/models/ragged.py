@@ -21,9 +21,16 @@ from kvjax.models.llama import Params, embed_tokens, layer_finish, layer_qkv, ou
 from kvjax.models.rope import apply_rope, inverse_frequencies, rope_tables
 
 
-def decode_step(params: Params, cfg: ModelConfig, cache: RaggedCache, tokens: jax.Array, positions: jax.Array
-                ) -> tuple[jax.Array, RaggedCache]:
+def split_layers(params: Params) -> list[Params]:
+    """params["layers"] as one params pytree per layer (slice once, outside a decode loop)."""
+    n = jax.tree.leaves(params["layers"])[0].shape[0]
+    return [jax.tree.map(lambda a, l=l: a[l], params["layers"]) for l in range(n)]
+
+
+def decode_step(params: Params, cfg: ModelConfig, cache: RaggedCache, tokens: jax.Array, positions: jax.Array,
+                layer_params: list[Params] | None = None) -> tuple[jax.Array, RaggedCache]:
     """tokens [B] at positions [B] (-1: a padding row, which writes nothing and sees nothing).
+    layer_params: `split_layers(params)`, when the caller has sliced them already.
     Returns logits [B, V] float32 and the cache with the tokens appended."""
     if cfg.local_layer_ids or cfg.attn_logit_softcapping is not None:
         raise ValueError("ragged decode: models with sliding-window layers or attention soft-caps are not supported")
@@ -34,8 +41,8 @@ def decode_step(params: Params, cfg: ModelConfig, cache: RaggedCache, tokens: ja
     h = embed_tokens(params, cfg, tokens[:, None])  # [B, 1, E]
     real = positions >= 0
     layers = []
-    for l, layer in enumerate(cache.layers):
-        lp = jax.tree.map(lambda a, l=l: a[l], params["layers"])
+    layer_params = split_layers(params) if layer_params is None else layer_params
+    for lp, layer in zip(layer_params, cache.layers):
         q, k, v = layer_qkv(cfg, lp, h)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         layer = append_token(layer, k[:, :, 0], v[:, :, 0], positions)
