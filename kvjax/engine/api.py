@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.cache import KVCache
+from kvjax.cache_ragged import choose_layout
 from kvjax.engine import steps
 from kvjax.engine.inputs import (
     BUCKETS,
@@ -134,6 +135,27 @@ class GenerateOutput:
     kv_bytes_mean: np.ndarray | None = None
     budget: np.ndarray | None = None
     budget_reached: np.ndarray | None = None
+    cache_layout: str = "dense"
+
+
+CACHE_LAYOUTS = ("dense", "ragged")
+# Kept counts are rounded up to a multiple of this per layer (and per row total for segmented layers)
+# when the ragged layout is sized, so that calls whose counts differ a little share one compilation.
+RAGGED_GRANULE = 16
+
+
+def check_cache_layout(cache_layout: str) -> None:
+    if cache_layout not in CACHE_LAYOUTS:
+        raise ValueError(f"cache_layout must be one of {CACHE_LAYOUTS}, got {cache_layout!r}")
+
+
+def ragged_supported(model: Model, policy: Policy | None) -> bool:
+    """Whether a run decodes in the ragged layout when asked (`cache_layout="ragged"`): a policy
+    without decode-time eviction, in rope_mode "original", on a model without sliding-window layers
+    or attention soft-caps, without a mesh. Other runs keep the dense layout."""
+    cfg = model.config
+    return (policy is not None and not policy.decode_time and steps.rope_mode(policy) == "original"
+            and not cfg.local_layer_ids and cfg.attn_logit_softcapping is None and model.mesh is None)
 
 
 def make_plan(policy: Policy, lengths: np.ndarray, cfg: ModelConfig, *, budget: int | None,
@@ -299,14 +321,14 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
                                           mesh=model.mesh))
 
 
-def _entries(cache: KVCache) -> jax.Array:
-    """KV entries per row, summed over layers and heads: [B] float32."""
-    return cache.valid.sum(axis=(0, 2, 3)).astype(jnp.float32)
+_entries = steps.row_entries
 
 
 def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCache, state: Any,
-            key: jax.Array) -> GenerateOutput:
-    """Feeds the questions (if any) to a prefilled, compressed cache, then decodes."""
+            key: jax.Array, cache_layout: str = "dense") -> GenerateOutput:
+    """Feeds the questions (if any) to a prefilled, compressed cache, then decodes (in the ragged
+    layout when asked and `ragged_supported`: the cache after the question is moved into
+    per-layer storage sized to what it holds plus the decode room)."""
     cfg = model.config
     policy, plan = run.policy, run.plan
     k_question, k_decode = jax.random.split(key)
@@ -317,6 +339,12 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
                                    rope_mode=steps.rope_mode(policy))
         first = batch.sampler(logits[:, 0], k_question)
         pos0 = jnp.asarray(batch.lengths + batch.q_lengths)
+    layout = "dense"
+    if cache_layout == "ragged" and ragged_supported(model, policy):
+        counts = np.asarray(jax.device_get(cache.num_valid()))
+        room = batch.steps  # decode writes at most steps - 1 tokens
+        cache = steps.to_ragged(cache, layout=choose_layout(counts, room, RAGGED_GRANULE), room=room)
+        layout = "ragged"
     cache_bytes = cache.nbytes()
     decode_time = policy is not None and policy.decode_time
     final = steps.decode(model.params, cache, state if decode_time else None, first, pos0, k_decode,
@@ -349,7 +377,7 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
                           kept_peak=kept_max / heads, kept_mean=kept_sum / np.maximum(n, 1) / heads,
                           kv_bytes_peak=(kept_max * entry_bytes).astype(np.int64),
                           kv_bytes_mean=kept_sum / np.maximum(n, 1) * entry_bytes, budget=budget,
-                          budget_reached=reached)
+                          budget_reached=reached, cache_layout=layout)
 
 
 def _merge(outs: list[GenerateOutput], parts: list[np.ndarray], B: int) -> GenerateOutput:
@@ -367,7 +395,7 @@ def _merge(outs: list[GenerateOutput], parts: list[np.ndarray], B: int) -> Gener
         values = [getattr(o, f.name) for o in outs]
         if f.name == "cache_bytes":
             fields[f.name] = sum(values)
-        elif f.name == "pad_id" or values[0] is None:
+        elif f.name in ("pad_id", "cache_layout") or values[0] is None:
             fields[f.name] = values[0]
         elif isinstance(values[0], list):
             fields[f.name] = [values[j][i] for j, i in order]
@@ -390,14 +418,14 @@ def _sub_batches(model: Model, batch: Batch, split: str | None) -> list[tuple[np
     return [(index, batch.take(index)) for index in parts]
 
 
-def _generate_part(model: Model, batch: Batch, runs: list[_Run | ValueError], key: jax.Array
-                   ) -> list[GenerateOutput | ValueError]:
+def _generate_part(model: Model, batch: Batch, runs: list[_Run | ValueError], key: jax.Array,
+                   cache_layout: str = "dense") -> list[GenerateOutput | ValueError]:
     """Every run on one (sub-)batch, sharing its model prefill."""
     k_prefill, k_rest = jax.random.split(key)
     tokens, positions = batch.prompt_arrays(model.mesh)
     prefilled = _prefill_runs(model, runs, tokens, positions, k_prefill, batch.sampler, bucket=batch.bucket,
                               capacity=batch.bucket + batch.room, rows=batch.rows, pad=batch.pad_id)
-    return [r if p is None else _answer(model, batch, r, *p, k_rest) for r, p in zip(runs, prefilled)]
+    return [r if p is None else _answer(model, batch, r, *p, k_rest, cache_layout) for r, p in zip(runs, prefilled)]
 
 
 def generate_settings(
@@ -418,6 +446,7 @@ def generate_settings(
     on_error: str = "raise",
     split: str | None = "bucket",
     prefill_chunk: int | None = None,
+    cache_layout: str = "dense",
 ) -> list[GenerateOutput | ValueError]:
     """`generate` for one batch under several settings, sharing the model prefill between them.
 
@@ -432,7 +461,9 @@ def generate_settings(
     prefill_chunk: the chunk of every setting with a policy and no `prefill_chunk` of its own (see
     `generate`); the full-cache setting keeps its one-shot prefill, and chunked settings prefill on
     their own (they share no prefill).
+    cache_layout: as in `generate`.
     """
+    check_cache_layout(cache_layout)
     settings = [st if isinstance(st, Setting) else Setting(*st) for st in settings]
     if prefill_chunk is not None:
         settings = [dataclasses.replace(st, prefill_chunk=prefill_chunk)
@@ -443,7 +474,7 @@ def generate_settings(
     subs = _sub_batches(model, batch, split)
     table = _plan_runs(model, settings, [_Part.of(index, sub) for index, sub in subs], on_error=on_error)
     key = jax.random.PRNGKey(0) if key is None else key
-    outs = [_generate_part(model, sub, runs, key if len(subs) == 1 else jax.random.fold_in(key, j))
+    outs = [_generate_part(model, sub, runs, key if len(subs) == 1 else jax.random.fold_in(key, j), cache_layout)
             for j, ((_, sub), runs) in enumerate(zip(subs, table))]
     index = [i for i, _ in subs]
     return [table[0][s] if isinstance(table[0][s], ValueError) else _merge([o[s] for o in outs], index, len(batch.rows))
@@ -469,6 +500,7 @@ def generate(
     question_tokens: int = 0,
     split: str | None = "bucket",
     prefill_chunk: int | None = None,
+    cache_layout: str = "dense",
 ) -> GenerateOutput:
     """Generates continuations for a batch of prompts of different lengths.
 
@@ -498,12 +530,21 @@ def generate(
       (+ decode room) entries per head; `budget` / `compression_ratio` refer to the whole prompt.
       Chunks are aligned on each prompt's end; every chunk reuses one compiled program. Scores
       differ from the one-shot prefill's: see the README, "Chunked prefill".
+    cache_layout: "dense" (default): decode over the `[L, B, Hkv, C, D]` cache, whose capacity C is
+      the largest count of any layer and head plus the decode room. "ragged" (opt-in): after the
+      prompt's compression and the question, move the cache into per-layer storage that holds only
+      what is kept plus the decode room (`kvjax.cache_ragged`: a capacity per layer for layer-wise
+      budgets, per-head segments for head-wise ones) and decode over that; greedy answers are the
+      same. Used for policies without decode-time eviction in rope_mode "original" (not on
+      sliding-window or soft-capped models, nor with a mesh: those runs stay dense); the output's
+      `cache_layout` says which ran. Its sizes are read from the kept counts on the host (one sync
+      per run), rounded up to `RAGGED_GRANULE`; each distinct layout is one compilation.
     """
     setting = Setting(policy, compression_ratio, budget, prefill_chunk)
     return generate_settings(model, prompts, [setting], questions=questions, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_k=top_k, top_p=top_p, key=key, stop_tokens=stop_tokens,
                              chat_template=chat_template, buckets=buckets, question_tokens=question_tokens,
-                             split=split)[0]
+                             split=split, cache_layout=cache_layout)[0]
 
 
 def compress(

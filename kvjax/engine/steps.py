@@ -22,11 +22,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import KVCache, gather_slots
+from kvjax.cache_ragged import Layout, RaggedCache, from_cache
 from kvjax.engine.reconstruct import reconstruction_scores
 from kvjax.lookahead import LookaheadConfig, lookahead_mass
 from kvjax.models.config import ModelConfig
 from kvjax.models.llama import extend
 from kvjax.models.local import init_cache
+from kvjax.models.ragged import decode_step as ragged_decode_step
+from kvjax.models.ragged import split_layers
 from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.base import Plan, Policy, compress_prefill
 from kvjax.sampling import Sampler
@@ -38,7 +41,7 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 
 def constrain(cache: KVCache, mesh: jax.sharding.Mesh | None) -> KVCache:
     """The cache laid out over the mesh: batch over `data`, KV heads over `model`."""
-    if mesh is None:
+    if mesh is None or isinstance(cache, RaggedCache):
         return cache
     return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
 
@@ -185,6 +188,20 @@ def feed(params, cache: KVCache, tokens: jax.Array, positions: jax.Array, logit_
     return logits, constrain(cache, mesh)
 
 
+@functools.partial(jax.jit, static_argnames=("layout", "room"))
+def to_ragged(cache: KVCache, *, layout: Layout, room: int) -> RaggedCache:
+    """The cache's entries in the per-layer `layout` (`kvjax.cache_ragged`), `room` free slots per head."""
+    TRACE_COUNTS["to_ragged"] += 1
+    return from_cache(cache, layout, room)
+
+
+def row_entries(cache: KVCache | RaggedCache) -> jax.Array:
+    """KV entries per row, summed over layers and heads: [B] float32."""
+    if isinstance(cache, RaggedCache):
+        return cache.row_entries()
+    return cache.valid.sum(axis=(0, 2, 3)).astype(jnp.float32)
+
+
 @struct.dataclass
 class DecodeState:
     """The `lax.while_loop` carry of `decode`.
@@ -211,7 +228,7 @@ class DecodeState:
 
     def count_kept(self, active: jax.Array) -> "DecodeState":
         """Adds the cache's current entries to the statistics of the `active` rows."""
-        n = self.cache.valid.sum(axis=(0, 2, 3)).astype(jnp.float32)
+        n = row_entries(self.cache)
         return self.replace(kept_min=jnp.where(active, jnp.minimum(self.kept_min, n), self.kept_min),
                             kept_max=jnp.where(active, jnp.maximum(self.kept_max, n), self.kept_max),
                             kept_sum=self.kept_sum + jnp.where(active, n, 0.0),
@@ -228,7 +245,8 @@ def decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Arr
 
     Returns the final `DecodeState` (tokens [B, steps], pad after `limit`). `policy` (with its
     `plan` and `policy_state`) is given only for decode-time eviction; every other policy shares
-    the plain loop of its cache capacity.
+    the plain loop of its cache capacity. A `RaggedCache` (no decode-time policy, original RoPE)
+    decodes with `kvjax.models.ragged.decode_step`, one compilation per layout.
     """
     TRACE_COUNTS["decode"] += 1
     B = first.shape[0]
@@ -244,7 +262,21 @@ def decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Arr
     def cond(s: DecodeState) -> jax.Array:
         return (s.step < limit) & ~jnp.all(s.done)
 
+    ragged = isinstance(cache, RaggedCache)
+    if ragged and (policy is not None or rope_mode != "original"):
+        raise ValueError("decode: a RaggedCache decodes without decode-time eviction, in rope_mode 'original'")
+    layer_params = split_layers(params) if ragged else None  # sliced once, outside the loop
+
     def body(s: DecodeState) -> DecodeState:
+        if ragged:
+            logits, cache = ragged_decode_step(params, cfg, s.cache, s.last, jnp.where(s.done, -1, s.pos),
+                                               layer_params)
+            key, sub = jax.random.split(s.key)
+            nxt = jnp.where(s.done, pad_id, sampler(logits, sub))
+            active = ~s.done
+            s = s.replace(step=s.step + 1, tokens=s.tokens.at[:, s.step].set(nxt), cache=cache, last=nxt,
+                          pos=s.pos + 1, done=s.done | jnp.isin(nxt, stops), key=key)
+            return s.count_kept(active)
         slots = s.cache.write_slots(1)
         q_pos = jnp.where(s.done, -1, s.pos)[:, None]
         logits, cache, obs = extend(params, cfg, s.cache, s.last[:, None], q_pos, fresh=False, observe=spec,

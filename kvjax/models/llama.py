@@ -164,6 +164,60 @@ def query_statistics(q: jax.Array, positions: jax.Array, start: int) -> tuple[ja
     return mean, cov
 
 
+def _norm_fn(cfg: ModelConfig):
+    return gemma.gemma_rms_norm if cfg.gemma else rms_norm
+
+
+def embed_tokens(params: Params, cfg: ModelConfig, tokens: jax.Array) -> jax.Array:
+    """Input vectors [B,n,E] of token ids [B,n] (Gemma's sqrt(hidden) scaling included)."""
+    h = params["embed"][tokens].astype(cfg.jnp_dtype)
+    return h * gemma.embed_scale(cfg) if cfg.gemma else h
+
+
+def layer_qkv(cfg: ModelConfig, lp: Params, h: jax.Array, hook: dict[str, Any] | None = None
+              ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One layer's un-rotated queries [B,Hq,n,D], keys and values [B,Hkv,n,D] of the residual stream
+    h [B,n,E] (input norm, projections with their optional bias, LoRA hook and q/k norm). `lp` is that
+    layer's slice of params["layers"]."""
+    B, n, _ = h.shape
+    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    norm, eps = _norm_fn(cfg), cfg.rms_norm_eps
+    x = norm(h, lp["input_norm"], eps)
+    q = _lora(_linear(x, lp["q"], lp.get("q_bias")), x, "q", hook).reshape(B, n, Hq, D).transpose(0, 2, 1, 3)
+    k = _lora(_linear(x, lp["k"], lp.get("k_bias")), x, "k", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
+    v = _lora(_linear(x, lp["v"], lp.get("v_bias")), x, "v", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
+    if cfg.qk_norm:
+        q = norm(q, lp["q_norm"], eps)
+        k = norm(k, lp["k_norm"], eps)
+    return q, k, v
+
+
+def layer_finish(cfg: ModelConfig, lp: Params, h: jax.Array, out: jax.Array, hook: dict[str, Any] | None = None
+                 ) -> jax.Array:
+    """The residual stream after one layer: h [B,n,E] plus the output projection of the attention
+    output out [B,Hq,n,D], then plus the MLP (Gemma's post-norms included)."""
+    B, _, n, _ = out.shape
+    norm, eps = _norm_fn(cfg), cfg.rms_norm_eps
+    act_fn = (lambda x: jax.nn.gelu(x, approximate=True)) if cfg.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu
+    attn = out.transpose(0, 2, 1, 3).reshape(B, n, -1)
+    attn_out = _lora(_linear(attn, lp["o"], lp.get("o_bias")), attn, "o", hook)
+    h = h + (norm(attn_out, lp["post_attn_norm"], eps) if cfg.gemma else attn_out)
+    x = norm(h, lp["post_norm"], eps)
+    gate = _lora(_linear(x, lp["gate"], lp.get("gate_bias")), x, "gate", hook)
+    up = _lora(_linear(x, lp["up"], lp.get("up_bias")), x, "up", hook)
+    act = act_fn(gate) * up
+    mlp = _lora(_linear(act, lp["down"], lp.get("down_bias")), act, "down", hook)
+    return h + (norm(mlp, lp["post_mlp_norm"], eps) if cfg.gemma else mlp)
+
+
+def output_logits(params: Params, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """float32 logits [B,k,V] of the final residual stream h [B,k,E] (final norm, head, soft-cap)."""
+    h = _norm_fn(cfg)(h, params["final_norm"], cfg.rms_norm_eps)
+    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
+    logits = jnp.einsum("bne,ev->bnv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
+    return gemma.softcap(logits, cfg.final_logit_softcapping)
+
+
 def extend(
     params: Params,
     cfg: ModelConfig,
@@ -218,13 +272,10 @@ def extend(
     have distinct positions (contiguous, as the engine feeds them).
     """
     B, n = positions.shape
-    Hq, Hkv, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    Hq, Hkv = cfg.num_heads, cfg.num_kv_heads
     dtype = cfg.jnp_dtype
-    eps = cfg.rms_norm_eps
     scale = cfg.attn_scale
     cap = cfg.attn_logit_softcapping
-    norm = gemma.gemma_rms_norm if cfg.gemma else rms_norm
-    act_fn = (lambda x: jax.nn.gelu(x, approximate=True)) if cfg.hidden_act == "gelu_pytorch_tanh" else jax.nn.silu
     has_local = bool(cfg.local_layer_ids)
     if rope_mode not in ("original", "cache_relative"):
         raise ValueError(f"rope_mode={rope_mode!r}; accepted values: 'original', 'cache_relative'")
@@ -243,9 +294,7 @@ def extend(
         slots = cache.write_slots(n)
     C = n if cache is None else cache.capacity
     if inputs_embeds is None:
-        h = params["embed"][tokens].astype(dtype)
-        if cfg.gemma:
-            h = h * gemma.embed_scale(cfg)
+        h = embed_tokens(params, cfg, tokens)
     else:
         h = inputs_embeds.astype(dtype)
     observe_any = bool(observe)
@@ -389,16 +438,9 @@ def extend(
         h, ck, cv, cpos, cvalid, local = carry
         lp, l = xs["params"], xs["index"]
         hook = None if adapter is None else {**adapter, "lora": xs["lora"]}
-        x = norm(h, lp["input_norm"], eps)
-        q = _lora(_linear(x, lp["q"], lp.get("q_bias")), x, "q", hook).reshape(B, n, Hq, D).transpose(0, 2, 1, 3)
-        k = _lora(_linear(x, lp["k"], lp.get("k_bias")), x, "k", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
-        v = _lora(_linear(x, lp["v"], lp.get("v_bias")), x, "v", hook).reshape(B, n, Hkv, D).transpose(0, 2, 1, 3)
-        if cfg.qk_norm:
-            q = norm(q, lp["q_norm"], eps)
-            k = norm(k, lp["k_norm"], eps)
+        q_raw, k_raw, v = layer_qkv(cfg, lp, h, hook)
         s = xs.get("slots")
-        q_raw, k_raw = q, k
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q_raw, cos, sin), apply_rope(k_raw, cos, sin)
         k_stored = k_raw if relative else k
         if has_local:
             # Caches are written outside the `lax.cond` (the other kind's write is dropped), so that no
@@ -421,15 +463,7 @@ def extend(
         else:
             ck, cv, cpos, cvalid = global_write(k_stored, v, ck, cv, cpos, cvalid, l, s)
             out, obs = global_attention(q, q_raw, k, v, ck, cv, cpos, cvalid, l, s, lp["o"])
-        attn = out.transpose(0, 2, 1, 3).reshape(B, n, Hq * D)
-        attn_out = _lora(_linear(attn, lp["o"], lp.get("o_bias")), attn, "o", hook)
-        h = h + (norm(attn_out, lp["post_attn_norm"], eps) if cfg.gemma else attn_out)
-        x = norm(h, lp["post_norm"], eps)
-        gate = _lora(_linear(x, lp["gate"], lp.get("gate_bias")), x, "gate", hook)
-        up = _lora(_linear(x, lp["up"], lp.get("up_bias")), x, "up", hook)
-        act = act_fn(gate) * up
-        mlp = _lora(_linear(act, lp["down"], lp.get("down_bias")), act, "down", hook)
-        h = h + (norm(mlp, lp["post_mlp_norm"], eps) if cfg.gemma else mlp)
+        h = layer_finish(cfg, lp, h, out, hook)
         return (h, ck, cv, cpos, cvalid, local), obs
 
     xs = {"params": params["layers"], "index": jnp.asarray(cache_index)}
@@ -452,10 +486,7 @@ def extend(
         cache = KVCache(k=ck, v=cv, pos=cpos, valid=cvalid, local=local)
     if logit_index is not None:
         h = jnp.take_along_axis(h, logit_index[..., None], axis=1)
-    h = norm(h, params["final_norm"], eps)
-    head = params["embed"].T if cfg.tie_embeddings else params["lm_head"]
-    logits = jnp.einsum("bne,ev->bnv", h, head.astype(h.dtype), preferred_element_type=jnp.float32)
-    logits = gemma.softcap(logits, cfg.final_logit_softcapping)
+    logits = output_logits(params, cfg, h)
     observations = Observations(
         window_queries=obs.get("window_queries"),
         window_positions=jnp.where(window_pos >= 0, window_pos, -1) if observe.window else None,

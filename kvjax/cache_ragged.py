@@ -1,0 +1,209 @@
+"""A decode-time cache that stores only what it keeps: per-layer storage, each layer its own size.
+
+`KVCache` holds every layer and head in one `[L, B, Hkv, C, D]` buffer, so budgets that vary by
+layer (PyramidKV, CAKE) or by head (Ada-KV) pay for the largest count everywhere. `RaggedCache`
+is built from a compressed `KVCache` once prefill (and the question) are done, for decoding
+without decode-time eviction. Each layer is one of:
+
+  DenseLayer      k, v [B, Hkv, C_l, D], pos [B, Hkv, C_l]: a per-layer capacity C_l (layer-wise
+                  budgets: every head of a row keeps the same count).
+  SegmentedLayer  k, v [B, S_l, D], pos, seg [B, S_l]: a flat buffer per row in which each KV head
+                  owns one contiguous segment, start[b, h] .. end[b, h], of its kept entries plus
+                  `room` free slots (head-wise budgets). seg is the head of each slot, -1 on the
+                  tail past the row's last segment.
+
+pos is the original position of each entry, -1 where empty. `fill [B, Hkv]` is the next write slot
+of each head (entries are kept first in each head's slots, by position; the decode step appends).
+Layer shapes differ, so the layers are a tuple (one pytree leaf set per layer) and a decode step
+over them runs the layers one after another (kvjax.models.ragged).
+
+The layout (`Layout`: per layer ("dense", C_l) or ("segmented", S_l)) is static: it is chosen on
+the host from the kept counts (`choose_layout`), rounded up to a granule so that calls whose counts
+differ a little share one compilation.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from kvjax.cache import KVCache
+
+# per layer: ("dense", C_l) or ("segmented", S_l)
+Layout = tuple[tuple[str, int], ...]
+
+
+@struct.dataclass
+class DenseLayer:
+    k: jax.Array  # [B, Hkv, C, D]
+    v: jax.Array
+    pos: jax.Array  # [B, Hkv, C] int32, -1 = empty
+    fill: jax.Array  # [B, Hkv] int32: next write slot
+
+    @property
+    def kind(self) -> str:
+        return "dense"
+
+    def head_counts(self) -> jax.Array:
+        return (self.pos >= 0).sum(-1)
+
+
+@struct.dataclass
+class SegmentedLayer:
+    k: jax.Array  # [B, S, D]
+    v: jax.Array
+    pos: jax.Array  # [B, S] int32, -1 = empty
+    seg: jax.Array  # [B, S] int32: the KV head owning each slot, -1 past the last segment
+    start: jax.Array  # [B, Hkv] int32
+    end: jax.Array  # [B, Hkv] int32 (exclusive)
+    fill: jax.Array  # [B, Hkv] int32: next write slot
+
+    @property
+    def kind(self) -> str:
+        return "segmented"
+
+    def head_counts(self) -> jax.Array:
+        H = self.start.shape[-1]
+        onehot = (self.seg[..., None] == jnp.arange(H)) & (self.pos >= 0)[..., None]
+        return onehot.sum(1)
+
+
+@struct.dataclass
+class RaggedCache:
+    layers: tuple  # DenseLayer | SegmentedLayer, one per layer
+
+    @property
+    def layout(self) -> Layout:
+        return tuple((x.kind, int(x.k.shape[2] if x.kind == "dense" else x.k.shape[1])) for x in self.layers)
+
+    def num_valid(self) -> jax.Array:
+        """Entries in use per (layer, row, head) [L, B, Hkv]."""
+        return jnp.stack([x.head_counts() for x in self.layers])
+
+    def row_entries(self) -> jax.Array:
+        """Entries per row, summed over layers and heads: [B] float32."""
+        return sum((x.pos >= 0).reshape(x.pos.shape[0], -1).sum(-1) for x in self.layers).astype(jnp.float32)
+
+    def kv_nbytes(self) -> int:
+        """Bytes of the key and value buffers."""
+        return sum(int(x.k.nbytes) + int(x.v.nbytes) for x in self.layers)
+
+    def nbytes(self) -> int:
+        """Bytes of every buffer (keys, values, positions, segment ids and bounds, write slots)."""
+        return sum(sum(int(a.nbytes) for a in jax.tree.leaves(x)) for x in self.layers)
+
+    def kept_positions(self) -> list[list[list[list[int]]]]:
+        """Host: the sorted positions each (layer, row, head) holds, [L][B][Hkv] lists."""
+        out = []
+        for x in self.layers:
+            pos = np.asarray(jax.device_get(x.pos))
+            if x.kind == "dense":
+                out.append([[sorted(int(p) for p in ph if p >= 0) for ph in pb] for pb in pos])
+            else:
+                seg = np.asarray(jax.device_get(x.seg))
+                H = x.start.shape[-1]
+                out.append([[sorted(int(p) for p, s in zip(pb, sb) if p >= 0 and s == h) for h in range(H)]
+                            for pb, sb in zip(pos, seg)])
+        return out
+
+
+def round_up(n: int, granule: int) -> int:
+    return max(granule, granule * math.ceil(n / granule)) if granule > 1 else n
+
+
+def choose_layout(counts: np.ndarray, room: int, granule: int = 1) -> Layout:
+    """The static layout for kept counts [L, B, Hkv] (host) plus `room` free slots per head.
+
+    Per layer: C = the largest head count (rounded up to `granule`) + room for a dense layer, or
+    S = the largest row total over heads (rounded up) + Hkv * room for a segmented one; the layer is
+    segmented when that stores fewer slots before rounding (head-wise budgets), dense otherwise
+    (layer-wise ones).
+    """
+    counts = np.asarray(counts)
+    H = counts.shape[2]
+    layout = []
+    for c in counts:
+        most, total = int(c.max(initial=0)), int(c.sum(-1).max(initial=0))
+        if total < H * most:  # heads of a row differ: segments store less
+            layout.append(("segmented", round_up(total, granule) + H * room))
+        else:
+            layout.append(("dense", round_up(most, granule) + room))
+    return tuple(layout)
+
+
+def _kept_first(valid: jax.Array, pos: jax.Array) -> jax.Array:
+    """Per head, slot indices with the valid ones first in position order [..., C]."""
+    big = jnp.iinfo(jnp.int32).max
+    return jnp.argsort(jnp.where(valid, pos, big), axis=-1, stable=True).astype(jnp.int32)
+
+
+def from_cache(cache: KVCache, layout: Layout, room: int) -> RaggedCache:
+    """The entries of `cache` (its valid slots) in the `layout` (traceable; layout and room static).
+
+    The layout must hold every head's entries plus `room` (`choose_layout` of `cache.num_valid()`);
+    entries beyond it would be dropped. Sliding-window buffers (`cache.local`) are not supported.
+    """
+    if cache.local is not None:
+        raise ValueError("RaggedCache: caches with sliding-window buffers (Gemma) are not supported")
+    L, B, H, C, D = cache.k.shape
+    if len(layout) != L:
+        raise ValueError(f"layout has {len(layout)} layers, the cache {L}")
+    layers = []
+    for l, (kind, size) in enumerate(layout):
+        valid, pos = cache.valid[l], cache.pos[l]
+        order = _kept_first(valid, pos)  # [B, H, C]
+        n = valid.sum(-1).astype(jnp.int32)  # [B, H]
+        if kind == "dense":
+            idx = order[..., :size] if size <= C else jnp.pad(order, ((0, 0), (0, 0), (0, size - C)))
+            filled = jnp.arange(size) < n[..., None]
+            k = jnp.take_along_axis(cache.k[l], idx[..., None], axis=2)
+            v = jnp.take_along_axis(cache.v[l], idx[..., None], axis=2)
+            p = jnp.where(filled, jnp.take_along_axis(pos, idx, axis=2), -1)
+            zero = jnp.zeros((), k.dtype)
+            layers.append(DenseLayer(k=jnp.where(filled[..., None], k, zero), v=jnp.where(filled[..., None], v, zero),
+                                     pos=p, fill=n))
+            continue
+        length = n + room
+        end = jnp.cumsum(length, axis=-1).astype(jnp.int32)
+        start = end - length
+        j = jnp.arange(size, dtype=jnp.int32)
+        head = jnp.sum(j[None, :, None] >= end[:, None, :], axis=-1).astype(jnp.int32)  # [B, S]
+        inside = head < H
+        h = jnp.minimum(head, H - 1)
+        off = j[None] - jnp.take_along_axis(start, h, axis=1)
+        filled = inside & (off < jnp.take_along_axis(n, h, axis=1))
+        src = jnp.take_along_axis(order.reshape(B, H * C), h * C + jnp.clip(off, 0, C - 1), axis=1)  # slot in head h
+        flat = h * C + src
+        k = jnp.take_along_axis(cache.k[l].reshape(B, H * C, D), flat[..., None], axis=1)
+        v = jnp.take_along_axis(cache.v[l].reshape(B, H * C, D), flat[..., None], axis=1)
+        p = jnp.where(filled, jnp.take_along_axis(pos.reshape(B, H * C), flat, axis=1), -1)
+        zero = jnp.zeros((), k.dtype)
+        layers.append(SegmentedLayer(k=jnp.where(filled[..., None], k, zero), v=jnp.where(filled[..., None], v, zero),
+                                     pos=p, seg=jnp.where(inside, head, -1), start=start, end=end, fill=start + n))
+    return RaggedCache(layers=tuple(layers))
+
+
+def append_token(layer: DenseLayer | SegmentedLayer, k_new: jax.Array, v_new: jax.Array, pos_new: jax.Array
+                 ) -> DenseLayer | SegmentedLayer:
+    """Writes one token per (row, head) at its `fill` slot: k_new, v_new [B, Hkv, D]; pos_new [B]
+    (-1: a padding step, written as empty and the slot stays free). A full head drops the write."""
+    B, H = layer.fill.shape
+    pos = jnp.broadcast_to(pos_new[:, None], (B, H)).astype(jnp.int32)
+    bi = jnp.arange(B)[:, None]
+    if layer.kind == "dense":
+        cap = layer.k.shape[2]
+        slot = jnp.where(layer.fill < cap, layer.fill, cap)
+        idx = (bi, jnp.arange(H)[None, :], slot)
+    else:
+        slot = jnp.where(layer.fill < layer.end, layer.fill, layer.k.shape[1])
+        idx = (bi, slot)
+    return layer.replace(
+        k=layer.k.at[idx].set(k_new.astype(layer.k.dtype), mode="drop"),
+        v=layer.v.at[idx].set(v_new.astype(layer.v.dtype), mode="drop"),
+        pos=layer.pos.at[idx].set(pos, mode="drop"),
+        fill=layer.fill + (pos >= 0).astype(jnp.int32),
+    )
