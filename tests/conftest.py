@@ -17,6 +17,15 @@ import pytest  # noqa: E402
 FIXTURE_DIR = pathlib.Path(__file__).resolve().parents[1].parent / "shared" / "fixtures" / "stories260K-hf"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _release_compiled_programs():
+    """Drops jax's compiled programs after each test module. Every CPU executable keeps its own memory
+    mappings; the whole suite compiles thousands of programs in one process, and past the kernel's
+    vm.max_map_count (65530) the next compile segfaults."""
+    yield
+    jax.clear_caches()
+
+
 @pytest.fixture(scope="session")
 def stories_path() -> pathlib.Path:
     """The real stories260K checkpoint from ../shared/fixtures (never copied into the repo)."""
