@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from compile_counter import BackendCompiles
 
 import kvjax
 from kvjax.engine import TRACE_COUNTS, bucket_length
@@ -19,26 +20,6 @@ def _prompts(lengths, vocab=512):
     return [[1] + RNG.randint(3, vocab, n - 1).tolist() for n in lengths]
 
 
-class _BackendCompiles:
-    """Counts XLA backend compilations while active."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __enter__(self):
-        self.count = 0
-
-        def listener(event, duration, **kwargs):
-            if event == self.EVENT:
-                self.count += 1
-
-        self._listener = listener
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listener)
-
-
 def test_one_compilation_per_bucket_and_batch(stories):
     # 5 prompts of different lengths, all in the 64-token bucket
     assert {bucket_length(n) for n in (33, 40, 47, 55, 64)} == {64}
@@ -47,7 +28,7 @@ def test_one_compilation_per_bucket_and_batch(stories):
     assert TRACE_COUNTS["prefill"] - before.get("prefill", 0) == 1
     assert TRACE_COUNTS["decode"] - before.get("decode", 0) == 1
     # other lengths in the same bucket with the same batch size: no compilation at all
-    with _BackendCompiles() as compiles:
+    with BackendCompiles() as compiles:
         kvjax.generate(stories, _prompts((35, 61, 42, 50, 58)), max_new_tokens=8, stop_tokens=[])
     assert compiles.count == 0
     assert TRACE_COUNTS["prefill"] - before.get("prefill", 0) == 1
@@ -166,7 +147,7 @@ def test_question_tokens_pads_questions_into_one_program_without_changing_answer
                                question_tokens=128)
     for a, b in zip(plain, padded):
         np.testing.assert_array_equal(a.tokens, b.tokens)
-    with _BackendCompiles() as compiles:
+    with BackendCompiles() as compiles:
         generate_settings(stories, contexts, settings, questions=long_q, max_new_tokens=10, stop_tokens=[],
                           question_tokens=128)
     assert compiles.count == 0

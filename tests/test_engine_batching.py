@@ -4,6 +4,7 @@ outputs in the caller's order and equal to each prompt alone; bounded compilatio
 import jax
 import numpy as np
 import pytest
+from compile_counter import BackendCompiles
 
 import kvjax
 from kvjax.bench import __main__ as bench_main
@@ -24,26 +25,6 @@ def stories(stories_path):
 
 def _prompts(lengths, vocab=512):
     return [[1] + RNG.randint(3, vocab, n - 1).tolist() for n in lengths]
-
-
-class _BackendCompiles:
-    """Counts XLA backend compilations while active."""
-
-    EVENT = "/jax/core/compile/backend_compile_duration"
-
-    def __enter__(self):
-        self.count = 0
-
-        def listener(event, duration, **kwargs):
-            if event == self.EVENT:
-                self.count += 1
-
-        self._listener = listener
-        jax.monitoring.register_event_duration_secs_listener(listener)
-        return self
-
-    def __exit__(self, *exc):
-        jax.monitoring.unregister_event_duration_listener(self._listener)
 
 
 def _sizes(parts):
@@ -118,7 +99,7 @@ def test_no_recompilation_inside_a_bucket(stories):
     kvjax.generate(stories, _prompts(first), **kw)
     kvjax.generate(stories, _prompts((80, 90, 100, 300)), **kw)  # 128: 3 rows (2 + 1), 512: 1
     before = dict(TRACE_COUNTS)
-    with _BackendCompiles() as compiles:
+    with BackendCompiles() as compiles:
         kvjax.generate(stories, _prompts((140, 66, 400, 127, 250, 99, 80)), **kw)  # the same buckets and sizes
         kvjax.generate(stories, _prompts((140, 66, 400, 127, 250, 99)), **kw)  # 128: 2 + 1; 256: 2; 512: 1
         kvjax.generate(stories, _prompts((400, 66)), **kw)  # 512: 1, 128: 1
