@@ -46,10 +46,12 @@ DEFAULTS: dict[str, Any] = {
     "fidelity_tokens": 32,
     "lookahead": None,
     "prefill_chunk": None,
+    "cache_layout": "dense",
 }
 # Settings that change what a sample or its answer is: a rerun into the same folder must keep them.
 RUN_IDENTITY = ("model", "context_length", "seed", "query_aware", "max_new_tokens", "data", "words",
-                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens", "lookahead", "prefill_chunk")
+                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens", "lookahead", "prefill_chunk",
+                "cache_layout")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 EPILOG = """\
@@ -146,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="prefill each context N tokens at a time, evicting down to the budget after every chunk (README, "
            "'Chunked prefill'); policies without chunked prefill are skipped; the full cache stays one-shot "
            "(default: one-shot prefill)")
+    a("--cache-layout", choices=["dense", "ragged"],
+      help="decode cache layout: dense [L,B,Hkv,C,D] (default) or ragged, where adaptive budgets (pyramidkv, "
+           "ada_*, cake) store only the entries they keep (README, 'Ragged decode layout'); answers are the same, "
+           "the recorded cache bytes are not")
     a("--compilation-cache", metavar="DIR|off",
       help="folder of jax's persistent compilation cache, so that a later run skips compiling the same "
            "programs, or 'off' (default: $KVJAX_COMPILATION_CACHE if set, else $XDG_CACHE_HOME/kvjax/jax or "
@@ -213,7 +219,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         "niah_lengths": _ints(args.niah_lengths, "--niah-lengths", parser),
         "niah_depths": _floats(args.niah_depths, "--niah-depths", parser),
         "niah_haystack": args.niah_haystack, "fidelity_tokens": args.fidelity_tokens, "lookahead": args.lookahead,
-        "prefill_chunk": getattr(args, "prefill_chunk", None),
+        "prefill_chunk": getattr(args, "prefill_chunk", None), "cache_layout": getattr(args, "cache_layout", None),
     }
     if args.budgets is not None and args.compression_ratios is None:
         cli["compression_ratios"] = []
@@ -270,8 +276,9 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         tag = pathlib.Path(str(cfg["model"]).rstrip("/")).name or "model"
         mode = "query-aware" if cfg["query_aware"] else "query-agnostic"
         chunk = "" if cfg["prefill_chunk"] is None else f"_chunk{cfg['prefill_chunk']}"
+        layout = "" if cfg["cache_layout"] == "dense" else f"_{cfg['cache_layout']}"
         cfg["out"] = str(pathlib.Path("out") / "eval" /
-                         f"{tag}_L{cfg['context_length']}_{mode}_seed{cfg['seed']}{chunk}")
+                         f"{tag}_L{cfg['context_length']}_{mode}_seed{cfg['seed']}{chunk}{layout}")
     return cfg
 
 
@@ -292,7 +299,8 @@ def _check_identity(out: pathlib.Path, cfg: dict[str, Any], parser: argparse.Arg
     if not path.is_file():
         return
     old = json.loads(path.read_text())
-    diff = [f"{k}: {old.get(k)!r} there, {cfg[k]!r} now" for k in RUN_IDENTITY if old.get(k) != cfg[k]]
+    was = {k: old.get(k, DEFAULTS.get(k)) for k in RUN_IDENTITY}  # a key added later: its default then
+    diff = [f"{k}: {was[k]!r} there, {cfg[k]!r} now" for k in RUN_IDENTITY if was[k] != cfg[k]]
     if diff:
         parser.error(f"--out {out} holds results of a different run ({'; '.join(diff)}); "
                      "pass another --out or delete that folder")
@@ -374,7 +382,8 @@ def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser
             parser.error(str(err))
         check_positions(cfg, model.config.max_position_embeddings, str(model.path), parser)
         tokenizer = model.tokenizer
-        generate_fn = engine.make_generate_fn(model, pad_to=int(cfg["batch_size"])) if tokenizer is not None else None
+        generate_fn = engine.make_generate_fn(model, pad_to=int(cfg["batch_size"]),
+                                               cache_layout=cfg["cache_layout"]) if tokenizer is not None else None
         logits_fn = logits_fn or engine.make_logits_fn(model)
 
     overhead = chat_overhead(tokenizer)

@@ -9,6 +9,7 @@ import pathlib
 from typing import Any
 
 from kvjax import engine
+from kvjax.engine.api import check_cache_layout
 from kvjax.eval.prompts import build_prompt, encode_prompt
 from kvjax.models import load_model
 from kvjax.models.gguf import GGUFFile, config_dict, is_gguf
@@ -77,7 +78,7 @@ def cache_stats(out: engine.GenerateOutput, b: int) -> dict[str, Any]:
     return stats
 
 
-def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int = 128):
+def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int = 128, cache_layout: str = "dense"):
     """A runner ``generate_fn`` calling `kvjax.generate` in context-then-question mode, greedy.
 
     pad_to: batches smaller than this are padded with copies of their last row (answers dropped),
@@ -91,7 +92,9 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
     The returned function's `share_shapes(samples, query_aware)` pads every later batch's questions
     to the longest question among `samples`, so that tasks share one compiled program (a task with
     long questions, such as niah_multikey_3's UUID keys, would otherwise compile every setting again).
+    cache_layout: the decode cache layout (`kvjax.generate`'s; "ragged" stores only kept entries).
     """
+    check_cache_layout(cache_layout)
     tokenizer = model.tokenizer
     shapes = {"question_tokens": 0}
     if tokenizer is None:
@@ -124,14 +127,15 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
                     budget: int | None, query_aware: bool, prefill_chunk: int | None = None) -> list[dict[str, Any]]:
         contexts, questions, kw = _inputs(samples, query_aware)
         out = engine.generate(model, kw.pop("prompts"), policy=policy, compression_ratio=compression_ratio, budget=budget,
-                       prefill_chunk=prefill_chunk, **kw)
+                       prefill_chunk=prefill_chunk, cache_layout=cache_layout, **kw)
         return _outputs(out, samples, contexts, questions)
 
     def many(samples: list[dict[str, Any]], *, settings, query_aware: bool) -> list[list[dict[str, Any]]]:
         """All `settings` (runner Settings) on one batch, sharing the model prefill. A setting the
         policy rejects for these prompts (e.g. a budget below its protected window) gets the error."""
         contexts, questions, kw = _inputs(samples, query_aware)
-        outs = engine.generate_settings(model, kw.pop("prompts"), list(settings), on_error="return", **kw)
+        outs = engine.generate_settings(model, kw.pop("prompts"), list(settings), on_error="return",
+                                        cache_layout=cache_layout, **kw)
         return [out if isinstance(out, Exception) else _outputs(out, samples, contexts, questions) for out in outs]
 
     generate_fn.many = many

@@ -64,3 +64,34 @@ def test_share_shapes_pads_every_batch_to_the_longest_question(monkeypatch):
         fn.many(batch, settings=[types.SimpleNamespace(policy=None, budget=None, compression_ratio=None)],
                 query_aware=False)
     assert seen == [0, longest, longest]
+
+
+@pytest.mark.slow
+def test_cli_cache_layout_ragged_gives_the_same_answers_in_fewer_bytes(tmp_path, capsys):
+    """`--cache-layout ragged` reaches `kvjax.generate`: an adaptive budget (pyramidkv, fewer entries in
+    upper layers) answers exactly as in the dense layout while its recorded decode cache is smaller."""
+    from tiny_models import build_hf
+
+    from kvjax.eval.cli import main
+
+    model_dir = tmp_path / "model"
+    build_hf("llama3", model_dir, vocab_size=2560, max_position_embeddings=1024, pad_token_id=0)
+    for f in TOKENIZER_DIR.iterdir():
+        shutil.copy(f, model_dir / f.name)
+    rows = {}
+    for layout in ("dense", "ragged"):
+        out = tmp_path / layout
+        argv = ["--model", str(model_dir), "--tasks", "passkey", "--num-samples", "2", "--batch-size", "2",
+                "--context-length", "384", "--policies", "pyramidkv", "--compression-ratios", "0.5",
+                "--max-new-tokens", "4", "--cache-layout", layout, "--out", str(out), "--no-progress"]
+        assert main(argv) == 0
+        assert json.loads((out / "run_config.json").read_text())["cache_layout"] == layout
+        rows[layout] = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()
+                        if json.loads(line)["policy"] == "pyramidkv"]
+    assert len(rows["dense"]) == len(rows["ragged"]) == 2
+    for d, r in zip(rows["dense"], rows["ragged"]):
+        assert d["prediction"] == r["prediction"]
+        assert r["stats"]["batch_cache_bytes"] < d["stats"]["batch_cache_bytes"]
+    with pytest.raises(SystemExit):  # a folder of ragged results is not resumed as dense
+        main(argv[:-5] + ["--cache-layout", "dense", "--out", str(tmp_path / "ragged"), "--no-progress"])
+    assert "cache_layout: 'ragged' there, 'dense' now" in capsys.readouterr().err
