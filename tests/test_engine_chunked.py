@@ -180,6 +180,17 @@ def test_a_prompt_in_one_chunk_equals_the_one_shot_prefill(stories, name):
     np.testing.assert_array_equal(a.kept, b.kept)
 
 
+def test_chunked_prefill_on_a_mesh_equals_single_device(stories, stories_path):
+    """data=2, model=4 over the 8 fake devices: the same kept counts and tokens as one device."""
+    assert len(jax.devices()) == 8
+    prompts = _prompts((150, 97, 120, 64))
+    kw = dict(policy=policies.get("snapkv", window=8), budget=40, max_new_tokens=6, stop_tokens=[], prefill_chunk=32)
+    single = kvjax.generate(stories, prompts, **kw)
+    sharded = kvjax.generate(kvjax.load_model(stories_path, mesh=kvjax.make_mesh(data=2, model=4)), prompts, **kw)
+    np.testing.assert_array_equal(sharded.tokens, single.tokens)
+    np.testing.assert_array_equal(sharded.kept, single.kept)
+
+
 def test_streaming_keeps_the_same_sets_chunked_or_not(stories):
     """StreamingLLM's kept set depends on positions only: sinks + the most recent, whatever the chunks."""
     prompts = _prompts((150, 201))

@@ -271,3 +271,29 @@ def test_sharded_gemma_equals_single_device(gemma_models):
     sharded = kvjax.generate(sharded_model, prompts, **kw)
     np.testing.assert_array_equal(sharded.tokens, single.tokens)
     np.testing.assert_array_equal(sharded.kept, single.kept)
+
+
+def _kept_sets(cache) -> list:
+    pos, valid = np.asarray(cache.pos), np.asarray(cache.valid)
+    return [sorted(pos[idx][valid[idx]].tolist()) for idx in np.ndindex(pos.shape[:3])]
+
+
+@pytest.mark.parametrize("family", list(GEMMA_FAMILIES))
+def test_chunked_prefill_on_sliding_window_models(gemma_models, family):
+    """Chunked prefill (README "Chunked prefill") on models with local layers and soft-caps: a prompt in
+    one chunk gives the one-shot kept sets and tokens; in 32-token chunks StreamingLLM (positions only)
+    keeps the one-shot sets, and every local layer's rolling buffer ends as the one-shot one."""
+    _, folder = gemma_models[family]
+    model = kvjax.load_model(folder)
+    prompts = [RNG.randint(3, model.config.vocab_size, n).tolist() for n in (100, 61)]
+    for name in ("snapkv", "h2o", "streaming_llm"):
+        kw = dict(policy=name, budget=48)
+        one = engine.compress(model, prompts, **kw)
+        assert _kept_sets(engine.compress(model, prompts, prefill_chunk=128, **kw)) == _kept_sets(one)
+        chunked = engine.compress(model, prompts, prefill_chunk=32, **kw)
+        np.testing.assert_array_equal(np.asarray(chunked.local.pos), np.asarray(one.local.pos))
+        if name == "streaming_llm":
+            assert _kept_sets(chunked) == _kept_sets(one)
+        a = kvjax.generate(model, prompts, max_new_tokens=6, stop_tokens=[], **kw)
+        b = kvjax.generate(model, prompts, max_new_tokens=6, stop_tokens=[], prefill_chunk=128, **kw)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
