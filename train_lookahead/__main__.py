@@ -7,9 +7,19 @@ import dataclasses
 import shlex
 import sys
 
+import jax
+
 from train_lookahead.config import RunConfig
 from train_lookahead import dryrun
 from train_lookahead.pipeline import build_mesh, maybe_initialize_distributed, run
+
+
+def use_fake_cpu_devices(count: int) -> None:
+    """A dry run checks a pod's mesh on this machine: on CPU, `count` fake devices (before jax starts)."""
+    platforms = jax.config.jax_platforms
+    if platforms in (None, "", "cpu"):
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", max(count, 1))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,13 +35,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="only lower one train step for the config's mesh with abstract weights (needs "
                         "model.architecture); checks shapes and shardings without loading the model")
     args = p.parse_args(argv)
-    maybe_initialize_distributed()
     cfg = RunConfig.from_yaml(args.config)
+    if args.dry_run:
+        use_fake_cpu_devices(cfg.mesh.model * (cfg.mesh.data or 1))
+    else:
+        maybe_initialize_distributed()
     if args.eval_scores:
         cfg = dataclasses.replace(cfg, export=dataclasses.replace(cfg.export, eval_scores=args.eval_scores))
     if args.dry_run:
         mesh = build_mesh(cfg.mesh)
-        lowered = dryrun.lower_train_step(cfg, dryrun.model_config(cfg), mesh)
+        lowered = dryrun.lower_train_step(cfg, dryrun.model_config(cfg), mesh)  # no weights, no workdir
         print(f"lowered one train step for mesh {dict(mesh.shape)}: "
               f"{len(lowered.as_text())} characters of StableHLO")
         return 0

@@ -16,8 +16,11 @@ POD = REPO / "configs" / "lookahead_llama31_8b_v5e.yaml"
 
 
 def dry_run(config, tmp_path, devices):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    """The CLI's dry run; devices=None: no fake-device flags, no JAX_PLATFORMS (the CLI sets them up)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    if devices is not None:
+        env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
     return subprocess.run([sys.executable, "-m", "train_lookahead", "--config", str(config), "--workdir",
                            str(tmp_path / "w"), "--dry-run"], env=env, capture_output=True, text=True, timeout=600,
                           cwd=REPO)
@@ -30,6 +33,14 @@ def test_pod_config_lowers_one_train_step_on_its_mesh(tmp_path):
     out = dry_run(POD, tmp_path, devices)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "'data': 4, 'model': 4" in out.stdout
+
+
+def test_dry_run_makes_its_own_fake_devices(tmp_path):
+    """As the README writes it, with no flags: the dry run makes the mesh's 16 CPU devices itself."""
+    out = dry_run(POD, tmp_path, None)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "'data': 4, 'model': 4" in out.stdout
+    assert not (tmp_path / "w").exists()  # nothing written
 
 
 def test_a_bad_pod_mesh_fails_on_cpu(tmp_path):
