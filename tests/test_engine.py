@@ -132,6 +132,29 @@ def test_compress_returns_the_entries_the_policy_keeps(stories):
         kvjax.engine.compress(stories, prompts, policy=None)
 
 
+def test_decode_tokens_shares_one_program_across_max_new_tokens(stories):
+    """`decode_tokens`: calls with different `max_new_tokens` run the loop compiled for the larger
+    bucket, stop at their own cap (tokens [B, max_new_tokens]) and answer as without it, for a
+    prefill-time and a decode-time policy."""
+    from kvjax.engine import Setting, generate_settings
+
+    contexts = _prompts((120, 97))
+    settings = [Setting(None), Setting("snapkv", compression_ratio=0.5), Setting("h2o", budget=40)]
+    plain = {n: generate_settings(stories, contexts, settings, max_new_tokens=n, stop_tokens=[]) for n in (5, 40)}
+    generate_settings(stories, contexts, settings, max_new_tokens=40, decode_tokens=100, stop_tokens=[])
+    with BackendCompiles() as compiles:
+        shared = {n: generate_settings(stories, contexts, settings, max_new_tokens=n, decode_tokens=100,
+                                       stop_tokens=[]) for n in (5, 40)}
+    assert compiles.count == 0
+    for n in (5, 40):
+        for a, b in zip(plain[n], shared[n]):
+            assert b.tokens.shape == (2, n)
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+            np.testing.assert_array_equal(a.kept, b.kept)
+    with pytest.raises(ValueError, match="decode_tokens"):
+        kvjax.generate(stories, contexts, max_new_tokens=5, decode_tokens=-1)
+
+
 def test_question_tokens_pads_questions_into_one_program_without_changing_answers(stories):
     """`question_tokens`: questions of different lengths share the compiled programs of the padded
     bucket, and the padding changes no answer, for prefill-time and decode-time policies alike."""

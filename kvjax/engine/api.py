@@ -443,6 +443,7 @@ def generate_settings(
     chat_template: bool = False,
     buckets: Sequence[int] = BUCKETS,
     question_tokens: int = 0,
+    decode_tokens: int = 0,
     on_error: str = "raise",
     split: str | None = "bucket",
     prefill_chunk: int | None = None,
@@ -470,7 +471,7 @@ def generate_settings(
                     if st.policy is not None and st.prefill_chunk is None else st for st in settings]
     batch = prepare(model, prompts, questions=questions, max_new_tokens=max_new_tokens, temperature=temperature,
                     top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, chat_template=chat_template, buckets=buckets,
-                    question_tokens=question_tokens)
+                    question_tokens=question_tokens, decode_tokens=decode_tokens)
     subs = _sub_batches(model, batch, split)
     table = _plan_runs(model, settings, [_Part.of(index, sub) for index, sub in subs], on_error=on_error)
     key = jax.random.PRNGKey(0) if key is None else key
@@ -498,6 +499,7 @@ def generate(
     chat_template: bool = False,
     buckets: Sequence[int] = BUCKETS,
     question_tokens: int = 0,
+    decode_tokens: int = 0,
     split: str | None = "bucket",
     prefill_chunk: int | None = None,
     cache_layout: str = "dense",
@@ -513,6 +515,9 @@ def generate(
     stop_tokens: ids that end a row (default: the model's EOS ids).
     question_tokens: pad the questions to at least this many tokens, so that calls whose questions
       differ in length share one compiled program (padding is masked; answers are unchanged).
+    decode_tokens: compile the decode loop (and the cache's decode room) for at least this many new
+      tokens, so that calls with different `max_new_tokens` share one compiled program; the loop
+      still stops at `max_new_tokens` (answers are unchanged).
     split: "bucket" (default): prompts in different length buckets run as separate sub-batches, one
       after another, each padded only to its own bucket (and its questions to their own question
       bucket), in sub-batches of a power of two rows (times the mesh's data axis) so that a bucket
@@ -544,7 +549,7 @@ def generate(
     return generate_settings(model, prompts, [setting], questions=questions, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_k=top_k, top_p=top_p, key=key, stop_tokens=stop_tokens,
                              chat_template=chat_template, buckets=buckets, question_tokens=question_tokens,
-                             split=split, cache_layout=cache_layout)[0]
+                             decode_tokens=decode_tokens, split=split, cache_layout=cache_layout)[0]
 
 
 def compress(

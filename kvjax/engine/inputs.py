@@ -142,11 +142,13 @@ class Batch:
     sampler: Sampler
     buckets: tuple[int, ...] = BUCKETS
     question_tokens: int = 0
+    decode_tokens: int = 0
 
     @classmethod
     def build(cls, rows: list[list[int]], q_rows: list[list[int]] | None, *, buckets: Sequence[int],
-              question_tokens: int, max_new_tokens: int, **rest: Any) -> Batch:
-        """The batch of `rows` (and `q_rows`) with its lengths and buckets worked out; `rest`:
+              question_tokens: int, max_new_tokens: int, decode_tokens: int = 0, **rest: Any) -> Batch:
+        """The batch of `rows` (and `q_rows`) with its lengths and buckets worked out; the decode loop
+        is compiled for max(max_new_tokens, decode_tokens) tokens and stops at max_new_tokens. `rest`:
         stop_ids, pad_id, sampler."""
         B = len(rows)
         lengths = np.array([len(r) for r in rows], np.int32)
@@ -157,8 +159,9 @@ class Batch:
             q_bucket = bucket_length(max(int(q_lengths.max()), int(question_tokens)), floor)
         return cls(rows=rows, q_rows=q_rows, lengths=lengths, q_lengths=q_lengths,
                    bucket=bucket_length(int(lengths.max()), buckets), q_bucket=q_bucket,
-                   steps=bucket_length(int(max_new_tokens), STEP_BUCKETS), max_new_tokens=int(max_new_tokens),
-                   buckets=tuple(buckets), question_tokens=int(question_tokens), **rest)
+                   steps=bucket_length(max(int(max_new_tokens), int(decode_tokens)), STEP_BUCKETS),
+                   max_new_tokens=int(max_new_tokens), buckets=tuple(buckets), question_tokens=int(question_tokens),
+                   decode_tokens=int(decode_tokens), **rest)
 
     def take(self, index: np.ndarray) -> Batch:
         """The sub-batch of rows `index` [b] (repeats allowed), padded to its own buckets."""
@@ -166,7 +169,7 @@ class Batch:
         q_rows = None if self.q_rows is None else [self.q_rows[i] for i in pick]
         return Batch.build([self.rows[i] for i in pick], q_rows, buckets=self.buckets,
                            question_tokens=self.question_tokens, max_new_tokens=self.max_new_tokens,
-                           stop_ids=self.stop_ids, pad_id=self.pad_id, sampler=self.sampler)
+                           decode_tokens=self.decode_tokens, stop_ids=self.stop_ids, pad_id=self.pad_id, sampler=self.sampler)
 
     @property
     def room(self) -> int:
@@ -228,10 +231,12 @@ def power_of_two_chunks(index: np.ndarray, multiple: int = 1) -> list[np.ndarray
 def prepare(model: Model, prompts: Any, *, questions: Any = None, max_new_tokens: int = 64,
             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
             stop_tokens: Sequence[int] | None = None, chat_template: bool = False,
-            buckets: Sequence[int] = BUCKETS, question_tokens: int = 0) -> Batch:
+            buckets: Sequence[int] = BUCKETS, question_tokens: int = 0, decode_tokens: int = 0) -> Batch:
     """Validates and encodes a generation request (see `kvjax.generate` for the arguments)."""
     if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
+    if not isinstance(decode_tokens, (int, np.integer)) or decode_tokens < 0:
+        raise ValueError(f"decode_tokens={decode_tokens!r} must be an int >= 0")
     sampler = Sampler(float(temperature), top_k, top_p)
     rows = encode_prompts(model, prompts, chat_template=chat_template)
     q_rows = None
@@ -240,7 +245,7 @@ def prepare(model: Model, prompts: Any, *, questions: Any = None, max_new_tokens
         if len(q_rows) != len(rows):
             raise ValueError(f"got {len(rows)} prompts but {len(q_rows)} questions: give one question per context")
     batch = Batch.build(rows, q_rows, buckets=buckets, question_tokens=question_tokens, max_new_tokens=max_new_tokens,
-                        stop_ids=stop_ids(model, stop_tokens), pad_id=pad_id(model), sampler=sampler)
+                        decode_tokens=decode_tokens, stop_ids=stop_ids(model, stop_tokens), pad_id=pad_id(model), sampler=sampler)
     check_positions(model, int((batch.lengths + batch.q_lengths).max()), int(max_new_tokens))
     return batch
 

@@ -67,7 +67,7 @@ def cache_stats(out: engine.GenerateOutput, b: int) -> dict[str, Any]:
     """Row b's cache as it really was while the row decoded: entries per KV head (peak, mean; the
     average over layers and heads), their key/value bytes, the nominal budget and whether the cache
     ever came down to it (None for the full cache). The decode loop runs to the row's stop token or
-    the batch's shared cap, so a row cut to a shorter task cap is counted over the longer decode."""
+    the batch's largest task cap, so a row cut to a shorter task cap is counted over the longer decode."""
     stats: dict[str, Any] = {}
     for key in ("kept_peak", "kept_mean", "kv_bytes_peak", "kv_bytes_mean"):
         value = getattr(out, key)
@@ -86,9 +86,10 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
     task at one context length, so its rows share a length bucket and run as one batch; were they to
     span buckets, the engine would split the batch by bucket and the copies would join the last
     row's sub-batch (answers unchanged).
-    min_new_tokens: every batch decodes with at least this cap, so tasks with different caps share
-    one compiled decode loop; each answer is then cut to its own task's cap (greedy decoding makes
-    that the answer a run with the smaller cap would give).
+    min_new_tokens: every batch's decode loop is compiled for at least this many tokens
+    (`kvjax.generate`'s `decode_tokens`), so tasks with different caps share one compiled loop; it
+    stops at the batch's largest task cap, and each answer is cut to its own task's cap (greedy
+    decoding makes that the answer a run with the smaller cap would give).
     The returned function's `share_shapes(samples, query_aware)` pads every later batch's questions
     to the longest question among `samples`, so that tasks share one compiled program (a task with
     long questions, such as niah_multikey_3's UUID keys, would otherwise compile every setting again).
@@ -113,10 +114,11 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
     def _inputs(samples, query_aware):
         contexts, questions = _split_ids(samples, tokenizer, query_aware)
         extra = max(0, (pad_to or 0) - len(samples))
-        # one decode length for every task (the loop stops when all rows have stopped): one compiled loop
-        cap = max([min_new_tokens] + [s["max_new_tokens"] for s in samples])
+        # one compiled decode loop for every task (decode_tokens), stopping at this batch's own cap
+        cap = max(s["max_new_tokens"] for s in samples)
         return contexts, questions, dict(prompts=contexts + contexts[-1:] * extra,
                                          questions=questions + questions[-1:] * extra, max_new_tokens=cap,
+                                         decode_tokens=max(min_new_tokens, cap),
                                          question_tokens=shapes["question_tokens"])
 
     def share_shapes(samples: list[dict[str, Any]], query_aware: bool) -> None:
