@@ -8,6 +8,11 @@ Shapes (L layers, B rows, Hkv KV heads, C slots per head, D head dim):
 Slot order carries no meaning (keys carry their rotation); attention masks by `valid` and by
 position. New tokens take the first free slots of each (layer, row, head): `write_slots`.
 
+The layout interface the forward pass uses (`kvjax.models.forward`), shared with `RaggedCache`:
+`write_layer` (one layer's new entries), `layer_keys` (the key set attention reads,
+`kvjax.kernels.attention.Keys`), `stacked` (layers run under `lax.scan`), `check_model`,
+`num_valid` / `row_entries` (entries held), `nbytes`, and `shardings(mesh)`.
+
 Models with sliding-window layers (Gemma 2 / 3) hold only their *global* layers in k, v, pos, valid
 (L = `cfg.num_global_layers`): the cache that policies score, compact and evict. The sliding layers'
 rolling buffers ride along in `local`, a nested KVCache `[L_local, B, Hkv, W, ...]` whose slot
@@ -22,6 +27,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from kvjax.kernels.attention import Keys
+
+
+def mesh_axis(mesh: Mesh, axis: str, size: int) -> str | None:
+    """`axis` when the mesh has it and it divides `size` (the dimension stays replicated otherwise)."""
+    n = dict(mesh.shape).get(axis)
+    return axis if n and size % n == 0 else None
 
 
 @struct.dataclass
@@ -31,6 +45,8 @@ class KVCache:
     pos: jax.Array
     valid: jax.Array
     local: "KVCache | None" = None
+
+    stacked = True  # layers stacked on axis 0: the forward runs them under `lax.scan`
 
     @classmethod
     def init(cls, num_layers: int, batch: int, num_kv_heads: int, capacity: int, head_dim: int, dtype: Any) -> "KVCache":
@@ -126,6 +142,57 @@ class KVCache:
     def num_valid(self) -> jax.Array:
         """Entries in use per (layer, row, head) `[L, B, Hkv]`."""
         return self.valid.sum(-1)
+
+    def row_entries(self) -> jax.Array:
+        """Entries per row, summed over layers and heads: [B] float32."""
+        return self.valid.sum(axis=(0, 2, 3)).astype(jnp.float32)
+
+    def check_model(self, cfg: Any) -> None:
+        """ValueError unless this cache fits the model `cfg` (its global layers; rolling buffers for
+        models with sliding-window layers)."""
+        has_local = bool(cfg.local_layer_ids)
+        if self.k.shape[0] != cfg.num_global_layers or has_local != (self.local is not None):
+            raise ValueError(f"extend: the cache has {self.k.shape[0]} layers and local buffers: "
+                             f"{self.local is not None}; this {cfg.family} model needs {cfg.num_global_layers} "
+                             f"global layers and local buffers: {has_local} (build it with "
+                             "kvjax.models.local.init_cache)")
+
+    def layer_keys(self, l: Any) -> Keys:
+        """What attention reads in layer `l`: keys, values [B,Hkv,C,D] and positions (-1 = empty)."""
+        return Keys(k=self.k[l], v=self.v[l], pos=jnp.where(self.valid[l], self.pos[l], -1))
+
+    def write_layer(self, l: Any, k: jax.Array, v: jax.Array, positions: jax.Array, slots: jax.Array | None = None,
+                    enabled: jax.Array | None = None) -> "KVCache":
+        """Writes one layer's new entries: k, v [B,Hkv,n,D] at positions [B,n] (-1 = padding, written
+        invalid) into layer `l`'s `slots` [B,Hkv,n], or, with slots=None, into slots 0..n-1 (a prefill into
+        an empty cache). enabled (a traced bool): False drops the write (models whose sliding-window
+        layers share the layer scan)."""
+        B, Hkv, n = k.shape[:3]
+        new_pos = jnp.broadcast_to(positions[:, None, :], (B, Hkv, n)).astype(jnp.int32)
+        if slots is None and enabled is None:
+            put = lambda buf, x: jax.lax.dynamic_update_slice(buf, x[None].astype(buf.dtype),  # noqa: E731
+                                                              (l,) + (0,) * (buf.ndim - 1))
+            return self.replace(k=put(self.k, k), v=put(self.v, v), pos=put(self.pos, new_pos),
+                                valid=put(self.valid, new_pos >= 0))
+        if slots is None:
+            slots = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (B, Hkv, n))
+        mode = None
+        if enabled is not None:  # an out-of-range slot drops the write
+            slots, mode = jnp.where(enabled, slots, self.capacity), "drop"
+        bi, hi = jnp.meshgrid(jnp.arange(B), jnp.arange(Hkv), indexing="ij")
+        idx = (l, bi[..., None], hi[..., None], slots)
+        return self.replace(k=self.k.at[idx].set(k.astype(self.k.dtype), mode=mode),
+                            v=self.v.at[idx].set(v.astype(self.v.dtype), mode=mode),
+                            pos=self.pos.at[idx].set(new_pos, mode=mode),
+                            valid=self.valid.at[idx].set(new_pos >= 0, mode=mode))
+
+    def shardings(self, mesh: Mesh) -> "KVCache":
+        """The cache's layout over `mesh`: rows over "data", KV heads over "model" (where they divide)."""
+        _, B, H = self.k.shape[:3]
+        spec = (None, mesh_axis(mesh, "data", B), mesh_axis(mesh, "model", H))
+        full, meta = NamedSharding(mesh, PartitionSpec(*spec, None, None)), NamedSharding(mesh, PartitionSpec(*spec))
+        local = None if self.local is None else self.local.shardings(mesh)
+        return KVCache(k=full, v=full, pos=meta, valid=meta, local=local)
 
     def nbytes(self) -> int:
         """Bytes of the allocated buffers (k, v, pos, valid, and the local rolling buffers): what the

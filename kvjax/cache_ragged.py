@@ -14,8 +14,12 @@ without decode-time eviction. Each layer is one of:
 
 pos is the original position of each entry, -1 where empty. `fill [B, Hkv]` is the next write slot
 of each head (entries are kept first in each head's slots, by position; the decode step appends).
-Layer shapes differ, so the layers are a tuple (one pytree leaf set per layer) and a decode step
-over them runs the layers one after another (kvjax.models.ragged).
+Layer shapes differ, so the layers are a tuple (one pytree leaf set per layer), and the forward
+(`kvjax.models.forward.extend`) runs the same layer code over them in a Python loop instead of a scan:
+the cache offers the layout interface of `KVCache` (`write_layer`, `layer_keys`, `check_model`,
+`num_valid`, `row_entries`, `nbytes`, `shardings`). Attention reads a dense layer as
+`kvjax.kernels.attention.Keys` and a segmented one as `SegmentedKeys`. Models with sliding-window
+layers keep their rolling buffers in `local` (a `KVCache`, as in the dense layout).
 
 The layout (`Layout`: per layer ("dense", C_l) or ("segmented", S_l)) is static: it is chosen on
 the host from the kept counts (`choose_layout`), rounded up to a granule so that calls whose counts
@@ -25,13 +29,16 @@ differ a little share one compilation.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from kvjax.cache import KVCache
+from kvjax.cache import KVCache, mesh_axis
+from kvjax.kernels.attention import Keys, SegmentedKeys
 
 # per layer: ("dense", C_l) or ("segmented", S_l)
 Layout = tuple[tuple[str, int], ...]
@@ -50,6 +57,15 @@ class DenseLayer:
 
     def head_counts(self) -> jax.Array:
         return (self.pos >= 0).sum(-1)
+
+    def keys(self) -> Keys:
+        return Keys(k=self.k, v=self.v, pos=self.pos)
+
+    def shardings(self, mesh: Mesh) -> DenseLayer:
+        B, H = self.fill.shape
+        spec = (mesh_axis(mesh, "data", B), mesh_axis(mesh, "model", H))
+        full, meta = NamedSharding(mesh, PartitionSpec(*spec, None, None)), NamedSharding(mesh, PartitionSpec(*spec))
+        return DenseLayer(k=full, v=full, pos=meta, fill=NamedSharding(mesh, PartitionSpec(*spec)))
 
 
 @struct.dataclass
@@ -71,10 +87,28 @@ class SegmentedLayer:
         onehot = (self.seg[..., None] == jnp.arange(H)) & (self.pos >= 0)[..., None]
         return onehot.sum(1)
 
+    def keys(self) -> SegmentedKeys:
+        return SegmentedKeys(k=self.k, v=self.v, pos=self.pos, seg=self.seg, num_kv_heads=self.start.shape[-1])
+
+    def shardings(self, mesh: Mesh) -> SegmentedLayer:
+        """Rows over "data"; a row's segments stay together (they hold every head)."""
+        rows = mesh_axis(mesh, "data", self.k.shape[0])
+        flat = NamedSharding(mesh, PartitionSpec(rows, None, None))
+        heads = NamedSharding(mesh, PartitionSpec(rows, None))
+        return SegmentedLayer(k=flat, v=flat, pos=heads, seg=heads, start=heads, end=heads, fill=heads)
+
 
 @struct.dataclass
 class RaggedCache:
-    layers: tuple  # DenseLayer | SegmentedLayer, one per layer
+    layers: tuple  # DenseLayer | SegmentedLayer, one per (global) layer
+    local: KVCache | None = None  # rolling buffers of sliding-window layers, as in `KVCache.local`
+
+    stacked = False  # one storage per layer: the forward loops over the layers
+
+    @property
+    def capacity(self) -> int:
+        """The most slots any layer stores (per head for dense layers, per row for segmented ones)."""
+        return max(size for _, size in self.layout)
 
     @property
     def layout(self) -> Layout:
@@ -93,8 +127,39 @@ class RaggedCache:
         return sum(int(x.k.nbytes) + int(x.v.nbytes) for x in self.layers)
 
     def nbytes(self) -> int:
-        """Bytes of every buffer (keys, values, positions, segment ids and bounds, write slots)."""
-        return sum(sum(int(a.nbytes) for a in jax.tree.leaves(x)) for x in self.layers)
+        """Bytes of every buffer (keys, values, positions, segment ids and bounds, write slots, and the
+        rolling buffers of sliding-window layers)."""
+        own = sum(sum(int(a.nbytes) for a in jax.tree.leaves(x)) for x in self.layers)
+        return own + (0 if self.local is None else self.local.nbytes())
+
+    def check_model(self, cfg: Any) -> None:
+        """ValueError unless this cache fits the model `cfg` (one storage per global layer)."""
+        if len(self.layers) != cfg.num_global_layers or bool(cfg.local_layer_ids) != (self.local is not None):
+            raise ValueError(f"ragged cache: {len(self.layers)} layers and local buffers: {self.local is not None}; "
+                             f"this {cfg.family} model needs {cfg.num_global_layers} global layers and local "
+                             f"buffers: {bool(cfg.local_layer_ids)}")
+
+    def write_slots(self, n: int) -> None:
+        """None: each head appends at its own `fill` slot (`write_layer`)."""
+        return None
+
+    def layer_keys(self, l: int) -> Keys | SegmentedKeys:
+        """What attention reads in layer `l` (a Python int: the layers differ in shape)."""
+        return self.layers[l].keys()
+
+    def write_layer(self, l: int, k: jax.Array, v: jax.Array, positions: jax.Array, slots: Any = None,
+                    enabled: Any = None) -> RaggedCache:
+        """Appends one token per row (k, v [B,Hkv,1,D], positions [B,1]) at each head's next slot of layer
+        `l`; `slots` is ignored (a head writes at its `fill`). Only decode steps write here."""
+        if k.shape[2] != 1 or enabled is not None:
+            raise ValueError("a RaggedCache is written one decode token at a time (n = 1)")
+        layers = list(self.layers)
+        layers[l] = append_token(layers[l], k[:, :, 0], v[:, :, 0], positions[:, 0])
+        return self.replace(layers=tuple(layers))
+
+    def shardings(self, mesh: Mesh) -> RaggedCache:
+        return RaggedCache(layers=tuple(x.shardings(mesh) for x in self.layers),
+                           local=None if self.local is None else self.local.shardings(mesh))
 
     def kept_positions(self) -> list[list[list[list[int]]]]:
         """Host: the sorted positions each (layer, row, head) holds, [L][B][Hkv] lists."""
@@ -145,10 +210,8 @@ def from_cache(cache: KVCache, layout: Layout, room: int) -> RaggedCache:
     """The entries of `cache` (its valid slots) in the `layout` (traceable; layout and room static).
 
     The layout must hold every head's entries plus `room` (`choose_layout` of `cache.num_valid()`);
-    entries beyond it would be dropped. Sliding-window buffers (`cache.local`) are not supported.
+    entries beyond it would be dropped. Sliding-window buffers (`cache.local`) are carried as they are.
     """
-    if cache.local is not None:
-        raise ValueError("RaggedCache: caches with sliding-window buffers (Gemma) are not supported")
     L, B, H, C, D = cache.k.shape
     if len(layout) != L:
         raise ValueError(f"layout has {len(layout)} layers, the cache {L}")
@@ -184,7 +247,7 @@ def from_cache(cache: KVCache, layout: Layout, room: int) -> RaggedCache:
         zero = jnp.zeros((), k.dtype)
         layers.append(SegmentedLayer(k=jnp.where(filled[..., None], k, zero), v=jnp.where(filled[..., None], v, zero),
                                      pos=p, seg=jnp.where(inside, head, -1), start=start, end=end, fill=start + n))
-    return RaggedCache(layers=tuple(layers))
+    return RaggedCache(layers=tuple(layers), local=cache.local)
 
 
 def append_token(layer: DenseLayer | SegmentedLayer, k_new: jax.Array, v_new: jax.Array, pos_new: jax.Array

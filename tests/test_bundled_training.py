@@ -11,7 +11,7 @@ import pytest
 from kvjax.eval.prompts import build_prompt, encode_prompt
 from kvjax.eval.tasks.targets import completion
 from kvjax.models.export import init_params
-from kvjax.models.llama import extend
+from kvjax.models import extend
 from kvjax.training import bundled
 
 DATA = {"suite": "default", "lengths": [512, 768], "curriculum": [[3, [256], 5]], "drill_fraction": 0.6,

@@ -160,3 +160,31 @@ def test_no_recompilation_within_a_bucket(stories, name):
     run(210)
     run(230)
     assert dict(steps.TRACE_COUNTS) == before
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_ragged_runs_sliding_window_and_soft_capped_models(tmp_path, family):
+    """The ragged decode runs the dense layer code: Gemma's sliding-window layers (their rolling buffers
+    carried along) and attention soft-caps decode in the ragged layout with the dense layout's tokens."""
+    from tiny_models import build_hf
+
+    build_hf(family, tmp_path)
+    model = kvjax.load_model(tmp_path)
+    prompts = [RNG.randint(3, model.config.vocab_size, n).tolist() for n in (150, 100)]
+    for name in ("pyramidkv", "ada_snapkv"):
+        d, r = (kvjax.generate(model, prompts, policy=name, compression_ratio=0.5, max_new_tokens=N, stop_tokens=[],
+                               cache_layout=layout) for layout in ("dense", "ragged"))
+        assert r.cache_layout == "ragged"
+        np.testing.assert_array_equal(d.tokens, r.tokens)
+        np.testing.assert_array_equal(d.kept_final, r.kept_final)
+
+
+def test_ragged_decodes_on_a_mesh(stories_path, stories):
+    """Over a data x model mesh the ragged layout gives the tokens of one device (rows over data)."""
+    mesh = kvjax.make_mesh(data=2, model=2)
+    sharded = kvjax.load_model(stories_path, mesh=mesh)
+    prompts = [[1] + RNG.randint(3, 512, n - 1).tolist() for n in (180, 150)]
+    one, many = (kvjax.generate(m, prompts, policy="ada_snapkv", budget=48, max_new_tokens=N, stop_tokens=[],
+                                cache_layout="ragged") for m in (stories, sharded))
+    assert many.cache_layout == "ragged"
+    np.testing.assert_array_equal(one.tokens, many.tokens)

@@ -15,7 +15,7 @@ import kvjax.engine
 from kvjax import policies
 from kvjax.cache import KVCache
 from kvjax.engine import TRACE_COUNTS, Setting, steps
-from kvjax.models.llama import extend
+from kvjax.models import extend
 from kvjax.observations import ObservationSpec
 from kvjax.policies.registry import chunked_presets
 

@@ -100,13 +100,13 @@ def run(args: argparse.Namespace) -> int:
                 rows.append([name, T, "n/a", "n/a", "n/a", f"not run: {e}"])
                 continue
 
-            def evict(params=params, plan=plan, policy=policy, adapter=adapter):
+            def evict(params=params, plan=plan, policy=policy):
                 _, cache, obs, _ = steps.prefill(params, tokens, positions, key, capacity=T,
                                                  observe=steps.prefill_spec([policy]), rope_mode=steps.rope_mode(policy),
                                                  **common)
-                if adapter is not None:
-                    obs = obs.replace(query_mass=steps.lookahead(params, cache, positions, adapter.params, cfg=cfg,
-                                                                 config=adapter.config))
+                for o in policy.requirements().observe.producers:  # passes after the prefill (kvzip, lookahead_kv)
+                    obs = obs.replace(**steps.produce(params, cache, tokens, positions, policy.observation_inputs(),
+                                                      cfg=cfg, observation=o, rope_mode=steps.rope_mode(policy)))
                 return steps.compress(cache, obs, plan, policy=policy, capacity=T, mesh=None)
 
             base, t = paired_medians(full, evict, args.repeats)

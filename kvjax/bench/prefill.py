@@ -41,8 +41,7 @@ from kvjax import policies
 from kvjax.bench._timing import header_lines, markdown_table
 from kvjax.bench.overhead import bench_config
 from kvjax.engine import make_plan, steps
-from kvjax.models import llama
-from kvjax.models.attention import flash_attention
+from kvjax.kernels.attention import Keys, attention
 from kvjax.models.export import init_params, save_hf
 from kvjax.sampling import Sampler
 
@@ -116,10 +115,11 @@ def attention_rows(cfg, lengths: list[int], repeats: int) -> list[list[object]]:
                 return torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=True, scale=scale,
                                                                         enable_gqa=True)
 
-        flash = jax.jit(lambda q, k, v: flash_attention(q, k, v, pos, kpos, scale)[0])
-        blocked = jax.jit(lambda q, k, v: (llama.attend_blocked(q, k, v, pos, kpos, scale, llama.QUERY_BLOCK)[0]
-                                           if T > llama.QUERY_BLOCK and T % llama.QUERY_BLOCK == 0
-                                           else llama.attend(q, k, v, pos, kpos, scale)[0]))
+        def op(*implementations):  # one implementation of the attention op (the first that accepts the shapes)
+            return jax.jit(lambda q, k, v: attention(q, Keys(k, v, kpos), pos, scale=scale, own_keys=True,
+                                                     implementation=implementations).out)
+
+        flash, blocked = op("flash"), op("blocked", "materialized")
         dpa = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
             q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), scale=scale, is_causal=True,
             implementation="xla"))

@@ -33,7 +33,6 @@ from kvjax.engine.inputs import (
     put_batch,
     split_rows,
 )
-from kvjax.lookahead import check_positions as check_lookahead_positions
 from kvjax.models.config import ModelConfig
 from kvjax.models.model import Model
 from kvjax.policies import Plan, Policy, resolve
@@ -150,12 +149,9 @@ def check_cache_layout(cache_layout: str) -> None:
 
 
 def ragged_supported(model: Model, policy: Policy | None) -> bool:
-    """Whether a run decodes in the ragged layout when asked (`cache_layout="ragged"`): a policy
-    without decode-time eviction, in rope_mode "original", on a model without sliding-window layers
-    or attention soft-caps, without a mesh. Other runs keep the dense layout."""
-    cfg = model.config
-    return (policy is not None and not policy.decode_time and steps.rope_mode(policy) == "original"
-            and not cfg.local_layer_ids and cfg.attn_logit_softcapping is None and model.mesh is None)
+    """Whether a run decodes in the ragged layout when asked (`cache_layout="ragged"`): a policy without
+    decode-time eviction, in rope_mode "original". Other runs keep the dense layout."""
+    return policy is not None and not policy.decode_time and steps.rope_mode(policy) == "original"
 
 
 def make_plan(policy: Policy, lengths: np.ndarray, cfg: ModelConfig, *, budget: int | None,
@@ -268,12 +264,12 @@ def _chunked_prefill(model: Model, run: _Run, rows: list[list[int]], pad: int, k
     tokens, positions = chunk_rows(rows, chunk, pad)
     cache = steps.empty_cache(cfg=cfg, batch=len(rows), capacity=plan.capacity + chunk, mesh=model.mesh)
     spec = steps.chunk_spec(policy)
-    mass = jnp.zeros(cache.valid.shape, jnp.float32) if spec.column_mass else None
+    carried = spec.chunk_init(cache.valid)
     seen = jnp.zeros((len(rows),), jnp.int32)
     for c in range(tokens.shape[0]):
         tc, pc = put_batch(model.mesh, tokens[c], positions[c])
-        logits, cache, mass, seen, slot_state = steps.prefill_chunk(
-            model.params, cache, mass, seen, tc, pc, plan, cfg=cfg, policy=policy, observe=spec,
+        logits, cache, carried, seen, slot_state = steps.prefill_chunk(
+            model.params, cache, carried, seen, tc, pc, plan, cfg=cfg, policy=policy, observe=spec,
             rope_mode=steps.rope_mode(policy), mesh=model.mesh)
     first = sampler(logits, key)  # every row's last prompt token is in the last chunk
     return (first, *steps.finish_chunks(cache, slot_state, plan, policy=policy, mesh=model.mesh))
@@ -297,7 +293,7 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
                                                       capacity=bucket, observe=spec, rope_mode=mode, sampler=sampler,
                                                       mesh=model.mesh)
         prefilled[mode] = first, cache, observations
-    looked: dict[int, jax.Array] = {}  # one lookahead pass per adapter
+    produced: dict[tuple[Any, ...], tuple[Any, dict[str, jax.Array]]] = {}
     for r in runs:
         if not isinstance(r, _Run):
             yield None
@@ -306,19 +302,28 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
             yield _chunked_prefill(model, r, rows, pad, key, sampler)
             continue
         first, cache, observations = prefilled[steps.rope_mode(r.policy)]
-        if r.policy is not None and r.policy.requirements().observe.lookahead:
-            adapter = r.policy.lookahead_adapter()
-            if id(adapter) not in looked:
-                adapter.check_model(model.config)
-                check_lookahead_positions(model.config, int(jnp.max(jnp.sum(positions >= 0, axis=-1))), adapter.config)
-                looked[id(adapter)] = steps.lookahead(model.params, cache, positions, adapter.params,
-                                                      cfg=model.config, config=adapter.config)
-            observations = observations.replace(query_mass=looked[id(adapter)])
         if r.policy is None:
             yield first, steps.grow(cache, capacity=capacity, mesh=model.mesh), None
-        else:
-            yield (first, *steps.compress(cache, observations, r.plan, policy=r.policy, capacity=capacity,
-                                          mesh=model.mesh))
+            continue
+        observations = _produced(model, r.policy, cache, tokens, positions, observations, produced)
+        yield (first, *steps.compress(cache, observations, r.plan, policy=r.policy, capacity=capacity,
+                                      mesh=model.mesh))
+
+
+def _produced(model: Model, policy: Policy, cache: KVCache, tokens: jax.Array, positions: jax.Array,
+              observations: Any, memo: dict[tuple[Any, ...], tuple[Any, dict[str, jax.Array]]]) -> Any:
+    """`observations` with the fields of the passes the policy's spec asks for after the prefill (its
+    producers), each run once per (observation, policy inputs, RoPE mode) and shared through `memo`."""
+    inputs = policy.observation_inputs()
+    mode = steps.rope_mode(policy)
+    for o in policy.requirements().observe.producers:
+        key = (o, id(inputs), mode)
+        if key not in memo:
+            o.check(model.config, int(jnp.max(jnp.sum(positions >= 0, axis=-1))), inputs)
+            memo[key] = inputs, steps.produce(model.params, cache, tokens, positions, inputs, cfg=model.config,
+                                              observation=o, rope_mode=mode)
+        observations = observations.replace(**memo[key][1])
+    return observations
 
 
 _entries = steps.row_entries
@@ -540,9 +545,9 @@ def generate(
       prompt's compression and the question, move the cache into per-layer storage that holds only
       what is kept plus the decode room (`kvjax.cache_ragged`: a capacity per layer for layer-wise
       budgets, per-head segments for head-wise ones) and decode over that; greedy answers are the
-      same. Used for policies without decode-time eviction in rope_mode "original" (not on
-      sliding-window or soft-capped models, nor with a mesh: those runs stay dense); the output's
-      `cache_layout` says which ran. Its sizes are read from the kept counts on the host (one sync
+      same. Used for policies without decode-time eviction in rope_mode "original" (the others stay
+      dense); Gemma's sliding-window layers keep their rolling buffers; the output's `cache_layout`
+      says which ran. Its sizes are read from the kept counts on the host (one sync
       per run), rounded up to `RAGGED_GRANULE`; each distinct layout is one compilation.
     """
     setting = Setting(policy, compression_ratio, budget, prefill_chunk)

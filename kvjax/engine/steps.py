@@ -1,10 +1,7 @@
-"""The engine's jitted programs: model prefill, LookaheadKV's lookahead pass, policy compression,
-chunked prefill (a chunk appended then evicted, and the final compaction), chunk feed and the decode
-loop.
-
-The lookahead pass runs only for policies whose requirements ask for `ObservationSpec(lookahead=True)`:
-after the shared prompt prefill, the policy's adapter tokens attend to the prompt cache (never
-written into it) and their attention mass becomes the run's `query_mass` observation.
+"""The engine's jitted programs: model prefill, the observation passes run after it (producers),
+policy compression, chunked prefill (a chunk appended then evicted, and the final compaction), chunk
+feed and the decode loop. Nothing here names a policy or an observation: specs are filtered by phase,
+producers run through `produce`, and every cache layout offers the same interface.
 
 Each program compiles once per static configuration (bucket, batch size, observation spec,
 policy, capacity, decode-step bucket) and is reused by later calls; `TRACE_COUNTS` counts the
@@ -14,7 +11,6 @@ compilations, per program.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 
 import jax
@@ -23,34 +19,28 @@ from flax import struct
 
 from kvjax.cache import KVCache, gather_slots
 from kvjax.cache_ragged import Layout, RaggedCache, from_cache
-from kvjax.engine.reconstruct import reconstruction_scores
-from kvjax.lookahead import LookaheadConfig, lookahead_mass
 from kvjax.models.config import ModelConfig
-from kvjax.models.llama import extend
+from kvjax.models.forward import extend, split_layers
 from kvjax.models.local import init_cache
-from kvjax.models.ragged import decode_step as ragged_decode_step
-from kvjax.models.ragged import split_layers
-from kvjax.observations import Observations, ObservationSpec
+from kvjax.observations import Observation, Observations, ObservationSpec
 from kvjax.policies.base import Plan, Policy, compress_prefill
 from kvjax.sampling import Sampler
-from kvjax.sharding import cache_shardings
 
 # Compilations so far, per jitted function (traced once per distinct static configuration).
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
 
-def constrain(cache: KVCache, mesh: jax.sharding.Mesh | None) -> KVCache:
-    """The cache laid out over the mesh: batch over `data`, KV heads over `model`."""
-    if mesh is None or isinstance(cache, RaggedCache):
+def constrain(cache, mesh: jax.sharding.Mesh | None):
+    """The cache laid out over the mesh (its layout's `shardings`: batch over `data`, KV heads over `model`)."""
+    if mesh is None:
         return cache
-    return jax.lax.with_sharding_constraint(cache, cache_shardings(cache, mesh))
+    return jax.lax.with_sharding_constraint(cache, cache.shardings(mesh))
 
 
 def prefill_spec(policies: list[Policy | None]) -> ObservationSpec:
-    """What one model prefill shared by `policies` must record: the union of their prefill-time
-    needs (step probabilities are a decode-time observation)."""
-    spec = ObservationSpec.union(p.requirements().observe for p in policies if p is not None)
-    return dataclasses.replace(spec, step_probs=False, lookahead=False)  # the lookahead pass is its own step
+    """What one model prefill shared by `policies` must record: the union of their prefill-phase
+    observations (decode-phase ones and the passes run after the prefill are not recorded there)."""
+    return ObservationSpec.union(p.requirements().observe.phase("prefill") for p in policies if p is not None)
 
 
 def rope_mode(policy: Policy | None) -> str:
@@ -65,8 +55,7 @@ def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, 
 
     Returns first-token ids [B], the full cache of `capacity` slots (global layers; the rolling
     buffers of sliding-window layers in `cache.local`), the `Observations` asked for, and the
-    first-token logits [B,V]. `observe.reconstruction` adds KVzip's repeat-the-context passes
-    (`reconstruct`), which leave the cache unchanged.
+    first-token logits [B,V].
     """
     TRACE_COUNTS["prefill"] += 1
     B = tokens.shape[0]
@@ -74,22 +63,17 @@ def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, 
     cache = constrain(init_cache(cfg, B, capacity), mesh)
     logits, cache, observations = extend(params, cfg, cache, tokens, positions, fresh=True, observe=observe,
                                          logit_index=(lengths - 1)[:, None], rope_mode=rope_mode)
-    if observe.reconstruction is not None:
-        observations = observations.replace(reconstruction=reconstruction_scores(
-            params, cfg, cache, tokens, positions, observe.reconstruction, rope_mode))
     return sampler(logits[:, 0], key), cache, observations, logits[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "config"))
-def lookahead(params, cache: KVCache, positions: jax.Array, adapter_params, *, cfg: ModelConfig,
-              config: LookaheadConfig) -> jax.Array:
-    """LookaheadKV's pass after the prompt prefill: the adapter's n learned tokens (LoRA on their rows)
-    at positions T_b .. T_b+n-1 attend to the prompt `cache` and to each other, and are not stored.
-    positions [B,T] are the prompt's. Returns their attention mass per query head over the cache
-    slots [L,B,Hq,C] float32 (the `query_mass` observation of a `lookahead` spec)."""
-    TRACE_COUNTS["lookahead"] += 1
-    lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
-    return lookahead_mass(params, cfg, adapter_params, config, cache, lengths)
+@functools.partial(jax.jit, static_argnames=("cfg", "observation", "rope_mode"))
+def produce(params, cache: KVCache, tokens: jax.Array, positions: jax.Array, inputs, *, cfg: ModelConfig,
+            observation: Observation, rope_mode: str) -> dict[str, jax.Array]:
+    """A pass after the prompt prefill (a producer observation: KVzip's reconstruction, LookaheadKV's
+    tokens) over the prefilled `cache` of the prompts tokens / positions [B,T], with the policy's
+    traced `inputs`; the cache is left unchanged. Returns the observation's fields."""
+    TRACE_COUNTS[f"produce:{observation.keyword}"] += 1
+    return observation.produce(params, cfg, cache, tokens, positions, rope_mode=rope_mode, inputs=inputs)
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "capacity", "mesh"))
@@ -114,23 +98,23 @@ def empty_cache(*, cfg: ModelConfig, batch: int, capacity: int, mesh) -> KVCache
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "policy", "observe", "rope_mode", "mesh"),
-                   donate_argnames=("cache", "mass"))
-def prefill_chunk(params, cache: KVCache, mass: jax.Array | None, seen: jax.Array, tokens: jax.Array,
+                   donate_argnames=("cache", "carried"))
+def prefill_chunk(params, cache: KVCache, carried: dict[str, jax.Array], seen: jax.Array, tokens: jax.Array,
                   positions: jax.Array, plan: Plan, *, cfg: ModelConfig, policy: Policy, observe: ObservationSpec,
-                  rope_mode: str, mesh) -> tuple[jax.Array, KVCache, jax.Array | None, jax.Array, object]:
+                  rope_mode: str, mesh) -> tuple[jax.Array, KVCache, dict[str, jax.Array], jax.Array, object]:
     """One chunk of a chunked prefill: appends the chunk to the cache, scores the cache with the
     policy and evicts down to its budget, compacting the survivors into the same buffer.
 
     cache: capacity (kept after prefill) + chunk slots, the survivors of earlier chunks first (in
     position order). tokens, positions [B,n]: each row's chunk, right-padded (-1), possibly empty
     (a row whose prompt starts in a later chunk, or has ended). seen [B]: prompt tokens fed so far.
-    mass [L,B,Hkv,C] (column-mass policies, else None): the attention mass every query fed so far
-    put on each surviving slot; this chunk's is added before scoring.
+    carried: what the spec's observations carry across chunks (`ObservationSpec.chunk_init`: e.g. the
+    column mass every query fed so far put on each surviving slot), per slot [L,B,Hkv,C].
     The policy scores as if the prompt ended with this chunk: `plan.lengths` becomes `seen` + the
     chunk (its window = the chunk's last `window` queries, its protected tokens the prompt's last
     ones so far); counts stay the whole prompt's. Rows with no real token in the chunk are left as
     they are. Returns the logits of each row's last real token in the chunk [B,V], the compacted
-    cache, the mass, the new `seen` and the policy's per-slot state (moved with the slots).
+    cache, the carried states (moved with the slots), the new `seen` and the policy's per-slot state.
     The same program serves every chunk of every prompt of a bucket (static shapes).
     """
     TRACE_COUNTS["prefill_chunk"] += 1
@@ -140,24 +124,17 @@ def prefill_chunk(params, cache: KVCache, mass: jax.Array | None, seen: jax.Arra
     active = n_real > 0
     logits, cache, obs = extend(params, cfg, cache, tokens, positions, fresh=False, observe=observe,
                                 logit_index=jnp.maximum(n_real - 1, 0)[:, None], rope_mode=rope_mode)
-    if obs.window_positions is not None:  # indices in the chunk -> absolute positions
-        wp = obs.window_positions
-        absolute = jnp.take_along_axis(positions, jnp.maximum(wp, 0), axis=1)
-        obs = obs.replace(window_positions=jnp.where((wp >= 0) & (absolute >= 0), absolute, -1))
-    if mass is not None:
-        mass = jnp.where(cache.valid, mass + obs.column_mass.astype(jnp.float32), 0.0)
-        obs = obs.replace(column_mass=mass)
+    obs, carried = observe.chunk_accumulate(obs, carried, cache.valid)
     last = jnp.max(jnp.where(real, positions, -1), axis=-1) + 1
     seen = jnp.where(active, last, seen).astype(jnp.int32)
     so_far = plan.replace(lengths=tuple(seen[b] for b in range(B)))
     keep, slot_state = policy.prefill_keep(so_far, cache, obs)
     keep = jnp.where(active[None, :, None, None], keep, cache.valid)
     cache, src = cache.compact(keep, cache.capacity)
-    if mass is not None:
-        mass = jnp.where(cache.valid, gather_slots(mass, src), 0.0)
+    carried = jax.tree.map(lambda x: jnp.where(cache.valid, gather_slots(x, src), 0), carried)
     if slot_state is not None:
         slot_state = jax.tree.map(lambda x: gather_slots(x, src), slot_state)
-    return logits[:, 0], constrain(cache, mesh), mass, seen, slot_state
+    return logits[:, 0], constrain(cache, mesh), carried, seen, slot_state
 
 
 @functools.partial(jax.jit, static_argnames=("policy", "mesh"))
@@ -197,9 +174,7 @@ def to_ragged(cache: KVCache, *, layout: Layout, room: int) -> RaggedCache:
 
 def row_entries(cache: KVCache | RaggedCache) -> jax.Array:
     """KV entries per row, summed over layers and heads: [B] float32."""
-    if isinstance(cache, RaggedCache):
-        return cache.row_entries()
-    return cache.valid.sum(axis=(0, 2, 3)).astype(jnp.float32)
+    return cache.row_entries()
 
 
 @struct.dataclass
@@ -245,47 +220,36 @@ def decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Arr
 
     Returns the final `DecodeState` (tokens [B, steps], pad after `limit`). `policy` (with its
     `plan` and `policy_state`) is given only for decode-time eviction; every other policy shares
-    the plain loop of its cache capacity. A `RaggedCache` (no decode-time policy, original RoPE)
-    decodes with `kvjax.models.ragged.decode_step`, one compilation per layout.
+    the plain loop of its cache capacity. Any cache layout decodes through the same `extend` (a
+    `RaggedCache`: one compilation per layout; no decode-time eviction).
     """
     TRACE_COUNTS["decode"] += 1
     B = first.shape[0]
     stops = jnp.asarray(stop_ids if stop_ids else (-1,), jnp.int32)
-    spec = ObservationSpec() if policy is None else ObservationSpec(step_probs=policy.requirements().observe.step_probs)
+    spec = ObservationSpec() if policy is None else policy.requirements().observe.phase("decode")
     big = jnp.full((B,), jnp.inf, jnp.float32)
     state = DecodeState(step=jnp.int32(1), tokens=jnp.full((B, steps), pad_id, jnp.int32).at[:, 0].set(first),
                         cache=cache, policy_state=policy_state, last=first, pos=pos0, done=jnp.isin(first, stops),
                         key=key, kept_min=big, kept_max=-big, kept_sum=jnp.zeros((B,), jnp.float32),
                         active_steps=jnp.zeros((B,), jnp.int32))
     state = state.count_kept(jnp.ones((B,), bool))
+    if (policy is not None or rope_mode != "original") and not cache.stacked:
+        raise ValueError("decode: decode-time eviction and rope_mode 'cache_relative' need the dense KVCache layout")
+    layer_params = params if cache.stacked else split_layers(params)  # sliced once, outside the loop
 
     def cond(s: DecodeState) -> jax.Array:
         return (s.step < limit) & ~jnp.all(s.done)
 
-    ragged = isinstance(cache, RaggedCache)
-    if ragged and (policy is not None or rope_mode != "original"):
-        raise ValueError("decode: a RaggedCache decodes without decode-time eviction, in rope_mode 'original'")
-    layer_params = split_layers(params) if ragged else None  # sliced once, outside the loop
-
     def body(s: DecodeState) -> DecodeState:
-        if ragged:
-            logits, cache = ragged_decode_step(params, cfg, s.cache, s.last, jnp.where(s.done, -1, s.pos),
-                                               layer_params)
-            key, sub = jax.random.split(s.key)
-            nxt = jnp.where(s.done, pad_id, sampler(logits, sub))
-            active = ~s.done
-            s = s.replace(step=s.step + 1, tokens=s.tokens.at[:, s.step].set(nxt), cache=cache, last=nxt,
-                          pos=s.pos + 1, done=s.done | jnp.isin(nxt, stops), key=key)
-            return s.count_kept(active)
         slots = s.cache.write_slots(1)
         q_pos = jnp.where(s.done, -1, s.pos)[:, None]
-        logits, cache, obs = extend(params, cfg, s.cache, s.last[:, None], q_pos, fresh=False, observe=spec,
+        logits, cache, obs = extend(layer_params, cfg, s.cache, s.last[:, None], q_pos, fresh=False, observe=spec,
                                     slots=slots, rope_mode=rope_mode)
         key, sub = jax.random.split(s.key)
         nxt = jnp.where(s.done, pad_id, sampler(logits[:, 0], sub))
         policy_state = s.policy_state
         if policy is not None:
-            policy_state, keep = policy.decode_update(plan, policy_state, cache, obs.step_probs, slots[..., 0], s.step)
+            policy_state, keep = policy.decode_step(plan, policy_state, cache, obs, slots[..., 0], s.step)
             cache = cache.evict(keep)
         active = ~s.done
         s = s.replace(step=s.step + 1, tokens=s.tokens.at[:, s.step].set(nxt), cache=constrain(cache, mesh),

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from kvjax.cache import KVCache
 from kvjax.lookahead.config import LookaheadConfig
 from kvjax.models.config import ModelConfig
-from kvjax.models.llama import extend
+from kvjax.models.forward import extend
 from kvjax.observations import ObservationSpec
 
 RESPONSE_CHUNK = 128  # response tokens fed per step in `response_attention`

@@ -11,7 +11,7 @@ from kvjax.cache import KVCache
 from kvjax.lookahead.attention import check_positions, predicted_attention
 from kvjax.lookahead.config import LookaheadConfig
 from kvjax.models.config import ModelConfig
-from kvjax.models.llama import extend
+from kvjax.models.forward import extend
 
 LOG_FLOOR = 1e-10  # predicted probabilities are clamped here inside the log
 

@@ -2,7 +2,8 @@
 
 - RMSNorm scales by (1 + weight), in float32 before the cast back (HF's Gemma2/3RMSNorm);
 - embeddings are multiplied by sqrt(hidden_size) rounded to the model dtype;
-- tanh soft-capping of attention logits (Gemma 2) and of the final logits (Gemma 2).
+- tanh soft-capping of attention logits and of the final logits (Gemma 2): `kvjax.kernels.attention.softcap`,
+  applied by the attention op and by `llama.output_logits`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,3 @@ def embed_scale(cfg: ModelConfig) -> jax.Array:
     """sqrt(hidden_size) in the model dtype (HF casts the scale to the embedding dtype first)."""
     return jnp.asarray(cfg.hidden_size**0.5, cfg.jnp_dtype)
 
-
-def softcap(x: jax.Array, cap: float | None) -> jax.Array:
-    """`cap * tanh(x / cap)`; x unchanged when cap is None."""
-    return x if cap is None else jnp.tanh(x / cap) * cap

@@ -41,23 +41,23 @@ def init_cache(cfg: ModelConfig, batch: int, capacity: int) -> KVCache:
     return cache.replace(local=local)
 
 
-def rolling_write(
-    buffers: tuple[jax.Array, jax.Array, jax.Array, jax.Array], layer: jax.Array, k: jax.Array, v: jax.Array,
-    positions: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def rolling_write(buffers: KVCache, layer: jax.Array | int, k: jax.Array, v: jax.Array, positions: jax.Array
+                  ) -> KVCache:
     """Writes a chunk into the rolling buffer of local layer `layer`.
 
-    buffers: (k, v [Ll,B,Hkv,W,D], pos, valid [Ll,B,Hkv,W]); k, v [B,Hkv,n,D] new keys (post-RoPE) and
-    values; positions [B,n] (-1 = padding, not written). Per row, the tokens within W of the row's last
-    position are written at slot `pos mod W` (their positions are distinct, hence so are their slots);
-    older ones are not. Only those entries are touched (a scatter; all -1 writes nothing).
+    buffers: the rolling buffers (`KVCache.local`: k, v [Ll,B,Hkv,W,D], pos, valid [Ll,B,Hkv,W]); k, v
+    [B,Hkv,n,D] new keys (post-RoPE) and values; positions [B,n] (-1 = padding, not written). Per row,
+    the tokens within W of the row's last position are written at slot `pos mod W` (their positions are
+    distinct, hence so are their slots); older ones are not. Only those entries are touched (a scatter;
+    all -1 writes nothing).
     """
-    bk, bv, bpos, bvalid = buffers
-    _, B, H, W = bpos.shape
+    _, B, H, W = buffers.pos.shape
     last = jnp.max(positions, axis=-1, keepdims=True)
     write = (positions >= 0) & (positions > last - W)
     slot = jnp.where(write, positions % W, W)  # W is out of bounds: dropped
     idx = (layer, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], slot[:, None, :])
     pos = jnp.broadcast_to(positions[:, None, :], (B, H, positions.shape[1])).astype(jnp.int32)
-    return (bk.at[idx].set(k.astype(bk.dtype), mode="drop"), bv.at[idx].set(v.astype(bv.dtype), mode="drop"),
-            bpos.at[idx].set(pos, mode="drop"), bvalid.at[idx].set(True, mode="drop"))
+    return buffers.replace(k=buffers.k.at[idx].set(k.astype(buffers.k.dtype), mode="drop"),
+                           v=buffers.v.at[idx].set(v.astype(buffers.v.dtype), mode="drop"),
+                           pos=buffers.pos.at[idx].set(pos, mode="drop"),
+                           valid=buffers.valid.at[idx].set(True, mode="drop"))

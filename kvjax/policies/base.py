@@ -9,7 +9,8 @@ The engine calls, in order (shapes: L layers, B rows, Hkv KV heads, C slots, G =
         state = policy.init_decode(plan, cache, gather_slots(slot_state, src))
     each step t = 1, 2, ...: write the token, attend with the un-evicted cache, then, for policies
     whose requirements() say decode_eviction:
-    state, keep = policy.decode_update(plan, state, cache, step_probs, written, t); cache = cache.evict(keep)
+    state, keep = policy.decode_step(plan, state, cache, obs, written, t); cache = cache.evict(keep)
+    (decode_step hands `decode_update` the step probabilities of `obs`)
 """
 
 from __future__ import annotations
@@ -142,9 +143,9 @@ class Policy:
         queries of every chunk score the cache), at least 1."""
         return max(1, self.requirements().observe.window)
 
-    def lookahead_adapter(self) -> Any:
-        """For policies whose requirements ask for `ObservationSpec(lookahead=True)`: the LookaheadKV
-        adapter (params + config) whose tokens the engine runs after the prompt. None otherwise."""
+    def observation_inputs(self) -> Any:
+        """The traced inputs (a pytree, or None) that the passes the policy's spec runs after the prefill
+        (its producer observations) take: e.g. LookaheadKV's adapter params."""
         return None
 
     def plan(
@@ -189,6 +190,13 @@ class Policy:
     ) -> tuple[Any, jax.Array]:
         """Prefill-only policies never evict during decoding."""
         return state, cache.valid
+
+    def decode_step(
+        self, plan: Plan, state: Any, cache: KVCache, obs: Observations, written: jax.Array, t: jax.Array
+    ) -> tuple[Any, jax.Array]:
+        """What the engine calls after every decode step's attention: `decode_update` with the step's
+        observations (`obs`, the decode phase of the policy's spec)."""
+        return self.decode_update(plan, state, cache, obs.step_probs, written, t)
 
 
 def compress_prefill(

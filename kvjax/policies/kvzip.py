@@ -25,7 +25,8 @@ from typing import Any
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.observations import Observations, ObservationSpec, Reconstruction
+from kvjax.observations import Observations, ObservationSpec
+from kvjax.observations.reconstruction import Reconstruction
 from kvjax.policies.allocators import Allocator, Global
 from kvjax.policies.base import Plan, Requirements, check_bool, check_int
 from kvjax.policies.prefill import PrefillPolicy

@@ -1,7 +1,9 @@
 """LookaheadKV (policies.md §11.3): prompt keys scored by the attention of learned lookahead tokens.
 
 The engine runs the adapter's n tokens after the prompt (LoRA on their rows, never stored in the
-cache) and hands over their attention mass per query head, `Observations.query_mass` [L,B,Hq,C];
+cache: the `LookaheadTokens` observation, with the adapter params as this policy's
+`observation_inputs`) and hands over their attention mass per query head, `Observations.query_mass`
+[L,B,Hq,C];
 this policy turns it into scores: s̃ = mass / n, reduced over the query group (mean or max), then
 max-pooled along positions (or not), exactly as configured in the adapter's `LookaheadConfig`.
 """
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 from kvjax.cache import KVCache
 from kvjax.lookahead import Adapter, LookaheadConfig, load
 from kvjax.observations import Observations, ObservationSpec
+from kvjax.observations.lookahead import LookaheadTokens
 from kvjax.policies.base import Plan, Requirements, as_i32, window_protected
 from kvjax.policies.prefill import PrefillPolicy
 from kvjax.policies.scoring import Scored, group_reduce_fn, pool1d
@@ -77,13 +80,18 @@ class LookaheadKV(PrefillPolicy):
         return self.config.protect_last
 
     def scorer_requirements(self) -> Requirements:
-        return Requirements(observe=ObservationSpec(lookahead=True))
+        a = self.lookahead_adapter()
+        return Requirements(observe=ObservationSpec(LookaheadTokens(a.config, a.model_info)))
+
+    def observation_inputs(self) -> dict[str, Any]:
+        """The adapter params the lookahead pass runs with."""
+        return self.lookahead_adapter().params
 
     def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
         conf = self.config
         if obs.query_mass is None:
-            raise ValueError("LookaheadKV needs the lookahead pass's query_mass observation (the engine records it "
-                             "for policies whose requirements ask for lookahead=True)")
+            raise ValueError("LookaheadKV needs the lookahead pass's query_mass observation (the engine's "
+                             "LookaheadTokens pass, which its requirements ask for)")
         L, B, Hq, C = obs.query_mass.shape
         Hkv = cache.k.shape[2]
         s = (obs.query_mass / conf.n_tokens).reshape(L, B, Hkv, Hq // Hkv, C)

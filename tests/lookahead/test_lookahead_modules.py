@@ -11,7 +11,7 @@ from conftest import prompts, with_random_b
 
 import kvjax.lookahead as lk
 from kvjax.cache import KVCache
-from kvjax.models.llama import extend
+from kvjax.models import extend
 from kvjax.observations import ObservationSpec
 
 LENGTHS = (9, 5, 7)  # rows of different lengths, right-padded to WIDTH

@@ -25,9 +25,9 @@ def _engine_scores(model, policy, toks, pos, budget):
     spec = steps.prefill_spec([policy])
     _, cache, obs, _ = steps.prefill(model.params, toks, pos, jax.random.PRNGKey(0), cfg=model.config,
                                      capacity=WIDTH, observe=spec, rope_mode="original", sampler=Sampler(), mesh=None)
-    adapter = policy.lookahead_adapter()
-    mass = steps.lookahead(model.params, cache, pos, adapter.params, cfg=model.config, config=adapter.config)
-    obs = obs.replace(query_mass=mass)
+    (lookahead,) = policy.requirements().observe.producers  # the lookahead tokens' pass
+    obs = obs.replace(**steps.produce(model.params, cache, toks, pos, policy.observation_inputs(), cfg=model.config,
+                                      observation=lookahead, rope_mode="original"))
     plan = policy.plan(LENGTHS, model.config.num_layers, model.config.num_kv_heads, budget=budget)
     return np.asarray(policy.score(plan, cache, obs).scores), cache, obs, plan
 
@@ -158,6 +158,6 @@ def test_shared_prefill_with_another_policy_and_one_compile_per_bucket(tiny, ada
                                           max_new_tokens=4, stop_tokens=[])
     np.testing.assert_array_equal(both[1].tokens, alone.tokens)
     np.testing.assert_allclose(both[0].kept, 36)
-    before = TRACE_COUNTS["lookahead"]
+    before = TRACE_COUNTS["produce:lookahead"]
     kvjax.generate(tiny, _ids(tiny, (50, 33, 61), 6), policy=policy, budget=10, max_new_tokens=4, stop_tokens=[])
-    assert TRACE_COUNTS["lookahead"] == before  # same bucket and batch: the lookahead pass is not traced again
+    assert TRACE_COUNTS["produce:lookahead"] == before  # same bucket and batch: the lookahead pass is not traced again

@@ -1,6 +1,6 @@
-"""The flash prefill path of `extend` against the materialised-probabilities path it replaces
-(`llama.FLASH_ATTENTION = False`): logits, cache, observations, the kept sets of SnapKV and H2O, and
-one compilation per bucket."""
+"""The flash prefill path of `extend` against the materialised-probabilities path it replaces (the attention
+op without its flash implementation: `$KVJAX_ATTENTION_IMPLEMENTATION`): logits, cache, observations, the kept
+sets of SnapKV and H2O, and one compilation per bucket."""
 
 import dataclasses
 
@@ -11,8 +11,8 @@ import pytest
 
 import kvjax
 from kvjax.engine import TRACE_COUNTS, bucket_length
-from kvjax.models import llama
-from kvjax.models.llama import extend
+from kvjax.kernels import attention
+from kvjax.models import extend
 from kvjax.models.local import init_cache
 from kvjax.observations import ObservationSpec
 
@@ -37,10 +37,17 @@ def _batch(lengths, T, vocab, left=False):
     return jnp.asarray(tokens), jnp.asarray(positions)
 
 
+def _use_flash(monkeypatch, flash):
+    if flash:
+        monkeypatch.delenv(attention.ENV_VAR, raising=False)
+    else:  # the materialised path: every implementation but flash
+        monkeypatch.setenv(attention.ENV_VAR, "xla_fused,decode,materialized,blocked")
+
+
 def _prefill(model, tokens, positions, observe, flash, monkeypatch):
-    monkeypatch.setattr(llama, "FLASH_ATTENTION", flash)
+    _use_flash(monkeypatch, flash)
     cfg = model.config
-    fn = jax.jit(extend, static_argnames=("cfg", "fresh", "observe"))  # traced anew: reads the flag
+    fn = jax.jit(extend, static_argnames=("cfg", "fresh", "observe"))  # traced anew: reads the variable
     return fn(model.params, cfg, init_cache(cfg, tokens.shape[0], tokens.shape[1]), tokens, positions,
               fresh=True, observe=observe)
 
@@ -85,8 +92,8 @@ def test_kept_sets_unchanged(stories, monkeypatch, policy, lengths):
     prompts = [[1] + RNG.randint(3, model.config.vocab_size, n - 1).tolist() for n in lengths]
     kept = []
     for flash in (True, False):
-        monkeypatch.setattr(llama, "FLASH_ATTENTION", flash)
-        jax.clear_caches()  # the engine's jitted prefill is traced again under the flag
+        _use_flash(monkeypatch, flash)
+        jax.clear_caches()  # the engine's jitted prefill is traced again under the variable
         cache = kvjax.engine.compress(model, prompts, policy=policy, compression_ratio=0.5)
         kept.append(np.where(np.asarray(cache.valid), np.asarray(cache.pos), -1))
     np.testing.assert_array_equal(np.sort(kept[0], -1), np.sort(kept[1], -1))

@@ -11,7 +11,8 @@ from tiny_models import GEMMA_FAMILIES, build_hf
 import kvjax
 from kvjax import engine
 from kvjax.cache import KVCache
-from kvjax.models import ModelConfig, extend, llama
+from kvjax.kernels import attention
+from kvjax.models import ModelConfig, extend
 from kvjax.models.local import init_cache
 
 RNG = np.random.RandomState(1)
@@ -110,8 +111,10 @@ def test_question_chunk_longer_than_window(gemma_models, family):
 
 
 def test_blocked_prefill_matches_transformers(gemma_models, monkeypatch):
-    """Prefills longer than QUERY_BLOCK attend in query blocks, local (windowed) layers included."""
-    monkeypatch.setattr(llama, "QUERY_BLOCK", 16)
+    """Prefills longer than QUERY_BLOCK attend in query blocks (the attention op's `blocked` implementation,
+    flash left out), local (windowed) layers and soft-caps included."""
+    monkeypatch.setattr(attention.reference, "QUERY_BLOCK", 16)
+    monkeypatch.setenv(attention.ENV_VAR, "materialized,blocked")
     hf, folder = gemma_models["gemma2"]
     model = kvjax.load_model(folder)
     ids = RNG.randint(3, model.config.vocab_size, 64)

@@ -16,9 +16,9 @@ from tiny_models import build_hf
 
 import kvjax
 from kvjax.cache import KVCache
-from kvjax.engine.reconstruct import reconstruction_scores
+from kvjax.observations.reconstruction import Reconstruction, reconstruction_scores
 from kvjax.models import extend
-from kvjax.observations import ObservationSpec, Reconstruction
+from kvjax.observations import ObservationSpec
 from kvjax.policies import KVzip, get
 
 SPEC = Reconstruction(chunk_size=8, n_sink=2, postfix=3, first_ids=(5, 6, 7), next_ids=(8, 9), suffix_ids=(10,))

@@ -118,7 +118,7 @@ def test_use_model_scale_follows_the_model_softmax_scale():
     """TOVA's prefill score is the last query's attention: with the model's scale when the model
     reports one that differs from 1/sqrt(d), with 1/sqrt(d) when use_model_scale=False (kvpress)."""
     inp = make_inputs(lengths=(12,), num_layers=1)
-    obs = dataclasses.replace(inp.obs, attn_scale=0.9)  # a model whose scale is not 1/sqrt(d)
+    obs = inp.obs.replace(attn_scale=0.9)  # a model whose scale is not 1/sqrt(d)
     plan = TOVA().plan((12,), 1, 2, budget=6)
     T = 12
     for use, scale in ((True, 0.9), (False, 1 / math.sqrt(D))):

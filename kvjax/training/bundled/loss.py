@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.models.config import ModelConfig
-from kvjax.models.llama import extend
+from kvjax.models.forward import extend
 
 
 def lm_loss(params: Any, frozen: Any, batch: dict[str, jax.Array], *, cfg: ModelConfig,

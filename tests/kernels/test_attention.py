@@ -1,4 +1,5 @@
-"""Attention building blocks against a NumPy reference."""
+"""The attention op (kvjax.kernels.attention): every implementation against a NumPy reference, the
+fallback between them, and the TPU lowering of the splash path."""
 
 import functools
 
@@ -9,9 +10,10 @@ import pytest
 
 from kvjax import kernels
 from kvjax.kernels import _common
+from kvjax.kernels.attention import Keys, SegmentedKeys, api, attention, splash_tpu
+from kvjax.kernels.attention.flash_xla import flash_attention
+from kvjax.kernels.attention.reference import attend, attend_blocked
 from kvjax.kernels.column_mass.reference import log_sum_exp
-from kvjax.models import attention, llama
-from kvjax.models.attention import flash_attention
 
 
 def _numpy_attention(q, k, v, q_pos, k_pos, scale):
@@ -37,7 +39,7 @@ def test_attend_equals_numpy_with_gqa_padding_and_empty_rows():
     q, k, v = rng.randn(B, Hq, n, D), rng.randn(B, Hkv, S, D), rng.randn(B, Hkv, S, D)
     k_pos = rng.randint(-1, 7, (B, Hkv, S))
     q_pos = np.array([[0, 3, 6, -1, 2], [-1, -1, 5, 1, 4]])
-    out, probs = llama.attend(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(q_pos),
+    out, probs = attend(*(jnp.asarray(x, jnp.float32) for x in (q, k, v)), jnp.asarray(q_pos),
                               jnp.asarray(k_pos), 0.5)
     np.testing.assert_allclose(np.asarray(out), _numpy_attention(q, k, v, q_pos, k_pos, 0.5), atol=1e-5)
     assert np.isfinite(np.asarray(probs)).all()
@@ -51,8 +53,8 @@ def test_blocked_attention_equals_unblocked_and_column_mass():
     lengths = np.array([64, 37])
     pos = np.where(np.arange(n) < lengths[:, None], np.arange(n), -1)
     k_pos = np.broadcast_to(pos[:, None], (B, Hkv, n))
-    out, probs = llama.attend(q, k, v, jnp.asarray(pos), jnp.asarray(k_pos), 0.3)
-    blocked, mass = llama.attend_blocked(q, k, v, jnp.asarray(pos), jnp.asarray(k_pos), 0.3, 16, column_mass=True)
+    out, probs = attend(q, k, v, jnp.asarray(pos), jnp.asarray(k_pos), 0.3)
+    blocked, mass = attend_blocked(q, k, v, jnp.asarray(pos), jnp.asarray(k_pos), 0.3, 16, column_mass=True)
     np.testing.assert_allclose(np.asarray(blocked), np.asarray(out), atol=1e-6)
     p = np.asarray(probs)  # [B,Hkv,G,n,S]
     want = np.where((pos >= 0)[:, None, None, :, None], p, 0).sum(axis=(2, 3))
@@ -99,7 +101,7 @@ def test_flash_attention_equals_attend(kind, blocks):
     S = n if kind not in ("cache", "random") else 90
     q, k, v = (jnp.asarray(rng.randn(*s), jnp.float32) for s in ((B, Hq, n, D), (B, Hkv, S, D), (B, Hkv, S, D)))
     q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in _layout(rng, kind, B, Hkv, n, S))
-    want, _ = llama.attend(q, k, v, q_pos, k_pos, 0.4)
+    want, _ = attend(q, k, v, q_pos, k_pos, 0.4)
     got, lse = jax.jit(functools.partial(flash_attention, scale=0.4, block_q=blocks[0], block_k=blocks[1]))(
         q, k, v, q_pos, k_pos)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
@@ -114,7 +116,7 @@ def test_flash_attention_window_and_softcap(window, softcap):
     B, Hq, Hkv, n, D = 2, 4, 2, 70, 8
     q, k, v = (jnp.asarray(rng.randn(*s), jnp.float32) for s in ((B, Hq, n, D), (B, Hkv, n, D), (B, Hkv, n, D)))
     q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in _layout(rng, "left", B, Hkv, n, n))
-    want, _ = llama.attend(q, k, v, q_pos, k_pos, 0.4, window=window, softcap=softcap)
+    want, _ = attend(q, k, v, q_pos, k_pos, 0.4, window=window, softcap=softcap)
     got, _ = flash_attention(q, k, v, q_pos, k_pos, 0.4, window=window, softcap=softcap, block_q=16, block_k=8)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
 
@@ -124,7 +126,7 @@ def test_flash_attention_bfloat16_close_to_attend():
     B, Hq, Hkv, n, D = 1, 4, 2, 64, 16
     q, k, v = (jnp.asarray(rng.randn(*s), jnp.bfloat16) for s in ((B, Hq, n, D), (B, Hkv, n, D), (B, Hkv, n, D)))
     q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in _layout(rng, "right", B, Hkv, n, n))
-    want, _ = llama.attend(q, k, v, q_pos, k_pos, 0.25)
+    want, _ = attend(q, k, v, q_pos, k_pos, 0.25)
     got, _ = flash_attention(q, k, v, q_pos, k_pos, 0.25, block_q=16, block_k=16)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=3e-2)
@@ -162,9 +164,9 @@ def test_splash_attention_interpreted_equals_attend(kind, window, softcap):
     B, Hq, Hkv, n, D = 2, 4, 2, 256, 64
     q, k, v = (jnp.asarray(rng.randn(*s), jnp.float32) for s in ((B, Hq, n, D), (B, Hkv, n, D), (B, Hkv, n, D)))
     q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in _layout(rng, kind, B, Hkv, n, n))
-    assert bool(attention.index_causal(q_pos))
-    want, _ = llama.attend(q, k, v, q_pos, k_pos, 0.125, window=window, softcap=softcap)
-    got, lse = attention.splash_attention(q, k, v, q_pos, 0.125, window=window, softcap=softcap, interpret=True)
+    assert bool(splash_tpu.index_causal(q_pos))
+    want, _ = attend(q, k, v, q_pos, k_pos, 0.125, window=window, softcap=softcap)
+    got, lse = splash_tpu.splash_attention(q, k, v, q_pos, 0.125, window=window, softcap=softcap, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
     if window is None and softcap is None:
         np.testing.assert_allclose(np.asarray(lse), np.asarray(log_sum_exp(q, k, q_pos, k_pos, scale=0.125)), atol=2e-6)
@@ -178,9 +180,9 @@ def test_prefill_attention_falls_back_when_positions_are_not_index_causal(monkey
     q, k, v = (jnp.asarray(rng.randn(*s), jnp.float32) for s in ((B, Hq, n, D), (B, Hkv, n, D), (B, Hkv, n, D)))
     q_pos = jnp.asarray(rng.permutation(n)[None], jnp.int32)
     k_pos = jnp.broadcast_to(q_pos[:, None], (B, Hkv, n))
-    assert not bool(attention.index_causal(q_pos))
-    got, _ = attention.prefill_attention(q, k, v, q_pos, k_pos, 0.3, own_keys=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(llama.attend(q, k, v, q_pos, k_pos, 0.3)[0]), atol=2e-6)
+    assert not bool(splash_tpu.index_causal(q_pos))
+    got = attention(q, Keys(k, v, k_pos), q_pos, scale=0.3, own_keys=True, implementation=("splash",)).out
+    np.testing.assert_allclose(np.asarray(got), np.asarray(attend(q, k, v, q_pos, k_pos, 0.3)[0]), atol=2e-6)
 
 
 @pytest.mark.parametrize("n, D, dtype", [(8192, 128, jnp.bfloat16), (4096, 64, jnp.float32)])
@@ -192,6 +194,117 @@ def test_prefill_attention_lowers_to_splash_for_tpu(monkeypatch, n, D, dtype):
     SD = jax.ShapeDtypeStruct
     args = (SD((1, Hq, n, D), dtype), SD((1, Hkv, n, D), dtype), SD((1, Hkv, n, D), dtype), SD((1, n), jnp.int32),
             SD((1, Hkv, n), jnp.int32))
-    fn = functools.partial(attention.prefill_attention, scale=D ** -0.5, own_keys=True)
+
+    def fn(q, k, v, q_pos, k_pos):  # the default order on TPU: splash takes a prefill's own keys
+        return attention(q, Keys(k, v, k_pos), q_pos, scale=D ** -0.5, returns=("lse",), own_keys=True)
+
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
     assert text.count("tpu_custom_call") >= 1
+
+
+# ---------------------------------------------------------------------------------------------- the op's table
+
+
+def _inputs(rng, n, S, kind, B=2, Hq=8, Hkv=2, D=8):
+    q, k, v = (jnp.asarray(rng.randn(*s), jnp.float32) for s in ((B, Hq, n, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in _layout(rng, kind, B, Hkv, n, S))
+    return q, k, v, q_pos, k_pos
+
+
+def _numpy_probs(q, k, q_pos, k_pos, scale):
+    """[B,Hkv,G,n,S] probabilities of the NumPy reference (zero rows where nothing is seen)."""
+    q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+    B, Hq, n, D = q.shape
+    Hkv = k.shape[1]
+    logits = np.einsum("bhgnd,bhsd->bhgns", q.reshape(B, Hkv, Hq // Hkv, n, D), k) * scale
+    vis = (k_pos[:, :, None, None, :] >= 0) & (k_pos[:, :, None, None, :] <= q_pos[:, None, None, :, None])
+    m = np.where(vis, logits, -np.inf).max(-1, keepdims=True, initial=-1e30)
+    e = np.exp(np.where(vis, logits - m, -np.inf))
+    return e / np.maximum(e.sum(-1, keepdims=True), 1e-300)
+
+
+@pytest.mark.parametrize("name, n, S, kind, own, returns", [
+    ("materialized", 9, 9, "right", True, ("probs", "column_mass")),
+    ("materialized", 6, 20, "cache", False, ("probs",)),
+    ("flash", 40, 40, "left", True, ("lse", "column_mass")),
+    ("flash", 7, 30, "cache", False, ("lse",)),
+    ("decode", 1, 30, "cache", False, ("probs", "column_mass")),
+    ("blocked", 2048, 2048, "right", True, ("column_mass",)),
+    ("xla_fused", 24, 24, "right", True, ()),
+])
+def test_each_implementation_equals_numpy(name, n, S, kind, own, returns):
+    """Every implementation of the attention op, asked by name, gives the NumPy reference's output and what
+    the caller asked back (log-sum-exp, probabilities, column mass: the op derives the ones it lacks)."""
+    rng = np.random.RandomState(11)
+    Hq = 8 if n < 1024 else 2
+    q, k, v, q_pos, k_pos = _inputs(rng, n, S, kind, B=1 if n >= 1024 else 2, Hq=Hq, Hkv=2 if Hq == 8 else 1)
+    if name == "xla_fused":  # its contract: right-padded rows attending to their own tokens
+        q_pos = jnp.asarray(np.where(np.arange(n) < np.array([[n], [n - 5]]), np.arange(n), -1), jnp.int32)
+        k_pos = jnp.broadcast_to(q_pos[:, None], k.shape[:3])
+    res = attention(q, Keys(k, v, k_pos), q_pos, scale=0.3, returns=returns, own_keys=own,
+                    index_causal=name == "xla_fused", implementation=name)
+    p = _numpy_probs(q, k, np.asarray(q_pos), np.asarray(k_pos), 0.3)
+    B, Hkv, G = p.shape[:3]
+    want = np.einsum("bhgns,bhsd->bhgnd", p, np.asarray(v, np.float64)).reshape(q.shape)
+    real = np.asarray(q_pos >= 0)[:, None, :, None]
+    np.testing.assert_allclose(np.where(real, res.out, 0), np.where(real, want, 0), atol=3e-5)
+    if "probs" in returns:
+        np.testing.assert_allclose(np.asarray(res.probs), p, atol=2e-6)
+    if "lse" in returns:
+        np.testing.assert_allclose(np.asarray(res.lse), np.asarray(log_sum_exp(q, k, q_pos, k_pos, scale=0.3)), atol=3e-5)
+    if "column_mass" in returns:
+        np.testing.assert_allclose(np.asarray(res.column_mass), p.sum(axis=(2, 3)), atol=2e-4, rtol=1e-4)
+
+
+def test_segment_implementation_equals_dense_decode():
+    """The ragged layout's segments (each head's slots contiguous in one row buffer) attend as the same
+    entries held per head do, soft-capped or not."""
+    rng = np.random.RandomState(12)
+    B, Hq, Hkv, S, D = 2, 4, 2, 10, 8
+    q, k, v, q_pos, k_pos = _inputs(rng, 1, S, "cache", B, Hq, Hkv, D)
+    k_pos = k_pos.at[:, :, -2:].set(-1)  # free slots at each head's end
+    seg = jnp.broadcast_to(jnp.repeat(jnp.arange(Hkv), S)[None], (B, Hkv * S))
+    flat = SegmentedKeys(k=k.reshape(B, Hkv * S, D), v=v.reshape(B, Hkv * S, D), pos=k_pos.reshape(B, Hkv * S),
+                         seg=seg, num_kv_heads=Hkv)
+    for cap in (None, 1.5):
+        got = attention(q, flat, q_pos, scale=0.4, softcap=cap, implementation="segment").out
+        want = attention(q, Keys(k, v, k_pos), q_pos, scale=0.4, softcap=cap, implementation="materialized").out
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6)
+
+
+def test_fallback_order_and_refusals(monkeypatch):
+    """The first implementation of the order that accepts runs (a decode step: `decode`; the same step with
+    probabilities and a soft-cap: `materialized`); names come from the env variable or the argument;
+    nothing accepting gives a NotImplementedError that lists every refusal; bad names and returns are named."""
+    rng = np.random.RandomState(13)
+    q, k, v, q_pos, k_pos = _inputs(rng, 1, 16, "cache")
+    keys = Keys(k, v, k_pos)
+    calls = []
+    for name in ("decode", "materialized"):
+        real, backends = api.IMPLEMENTATIONS[name]
+        monkeypatch.setitem(api.IMPLEMENTATIONS, name,
+                            (lambda *a, real=real, name=name: (calls.append(name), real(*a))[1], backends))
+    attention(q, keys, q_pos, scale=0.5, returns=("probs",))
+    attention(q, keys, q_pos, scale=0.5, returns=("probs",), softcap=2.0)
+    assert calls == ["decode", "decode", "materialized"]  # the soft-cap: decode declines, materialized runs
+    monkeypatch.setenv(api.ENV_VAR, "flash, materialized")
+    assert api.order() == ("flash", "materialized")
+    with pytest.raises(NotImplementedError, match=r"flash \(flash takes more than one query.*segment \(segment reads"):
+        attention(q, keys, q_pos, scale=0.5, implementation=("flash", "segment"))
+    with pytest.raises(ValueError, match="names must come from"):
+        attention(q, keys, q_pos, scale=0.5, implementation="cudnn")
+    with pytest.raises(ValueError, match="accepted values"):
+        attention(q, keys, q_pos, scale=0.5, returns=("weights",))
+
+
+def test_fully_masked_rows_never_give_nan():
+    """A row that sees no key gives a zero output and zero probabilities in every implementation."""
+    rng = np.random.RandomState(14)
+    q, k, v, _, _ = _inputs(rng, 4, 12, "cache")
+    q_pos = jnp.full((2, 4), -1, jnp.int32)
+    k_pos = jnp.full((2, 2, 12), -1, jnp.int32)
+    for name, returns in (("materialized", ("probs",)), ("flash", ("lse",))):
+        res = attention(q, Keys(k * 1e4, v, k_pos), q_pos, scale=0.5, returns=returns, implementation=name)
+        for x in (res.out, res.probs, res.lse):
+            if x is not None:
+                assert np.isfinite(np.asarray(x)).all() and not np.asarray(x).any()

@@ -1,24 +1,69 @@
-"""KVzip's reconstruction observation: the repeat-the-context passes the engine runs after a prefill.
+"""KVzip's reconstruction (arXiv 2505.23416): a pass the engine runs after the prefill, in which the model
+repeats the context, and every prompt key scores the most attention it receives.
 
-For each chunk of the prompt the model runs one `extend` of [instruction, chunk] against a copy of
-the prefilled cache grown by the chunk's length (so the prompt cache itself is never changed),
-records that pass's post-RoPE queries, and each key of the chunk scores the max over its group's
-query heads and over the pass's queries of the softmax over the subsampled keys (sinks, the chunk,
-the pass's own keys; `observations.Reconstruction`). Cost: the passes together re-read the whole
-prompt once more against the full cache (about one more prefill), plus that subsampled attention,
-so a KVzip prefill costs about 2-3 plain prefills (kvpress's estimate).
+For each chunk of the prompt the model runs one `extend` of [instruction, chunk] against a copy of the
+prefilled cache grown by the chunk's length (so the prompt cache itself is never changed), records
+that pass's post-RoPE queries, and each key of the chunk scores the max over its group's query heads
+and over the pass's queries of the softmax over the subsampled keys (sinks, the chunk, the pass's own
+keys). Cost: the passes together re-read the whole prompt once more against the full cache (about one
+more prefill), plus that subsampled attention.
+
+Field: reconstruction [L,B,Hkv,C] float32 (0 for slots no pass scored).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.kernels._common import masked_softmax
+from kvjax.kernels import masked_softmax
 from kvjax.models.config import ModelConfig
-from kvjax.models.llama import extend
-from kvjax.observations import ObservationSpec, Reconstruction
+from kvjax.models.forward import extend
+from kvjax.observations.base import Observation
+from kvjax.observations.spec import ObservationSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class Reconstruction(Observation):
+    """The pass's configuration. The prompt is cut into chunks of `chunk_size` tokens; chunk i is fed
+    against the prefilled cache as [first_ids (i = 0) or next_ids + the last `postfix` tokens of chunk
+    i-1 (i > 0), suffix_ids, chunk i], at positions T, T+1, ... Each key of chunk i scores the max, over
+    the query heads of its group and over that pass's queries, of the softmax over the keys {sinks:
+    positions < min(n_sink, chunk start)} + {chunk i} + {the pass's own keys, causal}; the pass's keys
+    are then dropped (the prompt cache is unchanged)."""
+
+    chunk_size: int = 2048
+    n_sink: int = 4
+    postfix: int = 8
+    first_ids: tuple[int, ...] = ()
+    next_ids: tuple[int, ...] = ()
+    suffix_ids: tuple[int, ...] = ()
+
+    keyword = "reconstruction"
+    fields = ("reconstruction",)
+    producer = True
+
+    @classmethod
+    def from_keyword(cls, value: Any) -> None:
+        if value is not None:
+            raise TypeError(f"reconstruction= takes a Reconstruction (or None), got {type(value).__name__}")
+        return None
+
+    @classmethod
+    def absent(cls) -> None:
+        return None
+
+    def value(self) -> Reconstruction:
+        return self
+
+    def produce(self, params: Any, cfg: Any, cache: KVCache, tokens: jax.Array, positions: jax.Array, *,
+                rope_mode: str, inputs: Any) -> dict[str, jax.Array]:
+        return {"reconstruction": reconstruction_scores(params, cfg, cache, tokens, positions, self, rope_mode)}
+
 
 QUERY_BLOCK = 256  # reconstruction queries scored at once ([B,Hq,block,slots] probabilities)
 
@@ -59,7 +104,7 @@ def _chunk_max(q: jax.Array, qpos: jax.Array, cache: KVCache, lengths: jax.Array
     return jax.lax.map(layer, (q, cache.k, cache.pos, cache.valid))
 
 
-def reconstruction_scores(params, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, positions: jax.Array,
+def reconstruction_scores(params: Any, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, positions: jax.Array,
                           spec: Reconstruction, rope_mode: str = "original") -> jax.Array:
     """KVzip's scores [L,B,Hkv,C] float32 for a prefilled `cache` of the right-padded prompts
     tokens / positions [B,T] (-1 = padding). Slots outside every row's prompt get 0."""
@@ -82,8 +127,6 @@ def reconstruction_scores(params, cfg: ModelConfig, cache: KVCache, tokens: jax.
         pos = jnp.where(real, lengths[:, None] + index[None], -1).astype(jnp.int32)
         _, grown, obs = extend(params, cfg, cache.grow(C + n), ids, pos, fresh=False,
                                observe=ObservationSpec(window=n), rope_mode=rope_mode)
-        qidx = obs.window_positions  # index in the pass, right-aligned on its real tokens
-        qpos = jnp.where(qidx >= 0, lengths[:, None] + qidx, -1)
-        best = _chunk_max(obs.window_queries, qpos, grown, lengths, start, end, spec.n_sink, scale)
+        best = _chunk_max(obs.window_queries, obs.window_positions, grown, lengths, start, end, spec.n_sink, scale)
         out = out + best[..., :C]
     return out

@@ -15,12 +15,13 @@ from jax import lax
 
 
 def segment_decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, seg: jax.Array, *,
-                             num_kv_heads: int, scale: float) -> jax.Array:
+                             num_kv_heads: int, scale: float, softcap: float | None = None) -> jax.Array:
     """One decode step of attention over segmented slots.
 
     query [B,Hq,D] (query head q uses KV head q // G); keys, values [B,S,D]; seg [B,S] int32: the KV
     head each slot belongs to, nondecreasing along S where >= 0, and -1 for slots that are not
     attended (empty, or past the last segment; their contents are never read into the result).
+    softcap: logits -> softcap * tanh(logits / softcap) before the softmax (Gemma 2).
     Returns out [B,Hq,D] in the query dtype; a head with no attended slot gets 0 (never NaN).
     """
     B, Hq, D = query.shape
@@ -36,6 +37,8 @@ def segment_decode_attention(query: jax.Array, keys: jax.Array, values: jax.Arra
     qs = jnp.take_along_axis(query.reshape(B, H, G, D), h[:, :, None, None], axis=1)  # [B,S,G,D]
     logits = jnp.einsum("bsgd,bsd->bsg", qs, keys.astype(qs.dtype), precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32) * scale
+    if softcap is not None:
+        logits = jnp.tanh(logits / softcap) * softcap
     logits = jnp.where(ok[..., None], logits, -jnp.inf).reshape(B * S, G)
     n = B * H
     m = jax.ops.segment_max(logits, ids, num_segments=n, indices_are_sorted=True)  # [n, G]

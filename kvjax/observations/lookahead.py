@@ -1,0 +1,47 @@
+"""LookaheadKV's lookahead tokens: a pass the engine runs after the prefill, in which the adapter's n
+learned tokens (LoRA on their rows) attend to the prompt cache without being stored.
+
+The adapter's static configuration rides in the spec (`LookaheadTokens(config, model_info)`); its
+params are the policy's traced inputs (`Policy.observation_inputs()`).
+
+Field: query_mass [L,B,Hq,C] float32: per query head, the tokens' attention mass over the cache slots,
+summed over the n tokens (the softmax including their own causal keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from kvjax.cache import KVCache
+from kvjax.lookahead import LookaheadConfig, ModelInfo, check_positions, lookahead_mass
+from kvjax.models.config import ModelConfig
+from kvjax.observations.base import Observation
+
+
+@dataclasses.dataclass(frozen=True)
+class LookaheadTokens(Observation):
+    config: LookaheadConfig
+    model_info: ModelInfo
+
+    keyword = "lookahead"
+    fields = ("query_mass",)
+    producer = True
+
+    @classmethod
+    def from_keyword(cls, value: Any) -> None:
+        if value:
+            raise TypeError("lookahead= takes a LookaheadTokens(config, model_info) observation (the adapter's)")
+        return None
+
+    def check(self, cfg: ModelConfig, longest: int, inputs: Any) -> None:
+        self.model_info.check_matches(cfg)
+        check_positions(cfg, longest, self.config)
+
+    def produce(self, params: Any, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, positions: jax.Array, *,
+                rope_mode: str, inputs: Any) -> dict[str, jax.Array]:
+        lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
+        return {"query_mass": lookahead_mass(params, cfg, inputs, self.config, cache, lengths)}
