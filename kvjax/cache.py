@@ -147,6 +147,11 @@ class KVCache:
         """Entries per row, summed over layers and heads: [B] float32."""
         return self.valid.sum(axis=(0, 2, 3)).astype(jnp.float32)
 
+    def row_kv_bytes(self, itemsize: int = 2) -> jax.Array:
+        """Key and value bytes of the entries each row holds, [B] float32, at `itemsize` bytes per element
+        (2: what a 16-bit cache holds, whatever dtype runs)."""
+        return self.row_entries() * (2 * self.k.shape[-1] * itemsize)
+
     def check_model(self, cfg: Any) -> None:
         """ValueError unless this cache fits the model `cfg` (its global layers; rolling buffers for
         models with sliding-window layers)."""

@@ -122,6 +122,10 @@ class RaggedCache:
         """Entries per row, summed over layers and heads: [B] float32."""
         return sum((x.pos >= 0).reshape(x.pos.shape[0], -1).sum(-1) for x in self.layers).astype(jnp.float32)
 
+    def row_kv_bytes(self, itemsize: int = 2) -> jax.Array:
+        """Key and value bytes of the entries each row holds, [B] float32, at `itemsize` bytes per element."""
+        return self.row_entries() * (2 * self.layers[0].k.shape[-1] * itemsize)
+
     def kv_nbytes(self) -> int:
         """Bytes of the key and value buffers."""
         return sum(int(x.k.nbytes) + int(x.v.nbytes) for x in self.layers)

@@ -33,6 +33,8 @@ from kvjax.engine.inputs import (
     put_batch,
     split_rows,
 )
+from kvjax.kv_quant import KVQuant
+from kvjax.kv_quant import resolve as resolve_kv_quant
 from kvjax.models.config import ModelConfig
 from kvjax.models.model import Model
 from kvjax.policies import Plan, Policy, resolve
@@ -49,14 +51,19 @@ class Setting:
 
     prefill_chunk: None (one-shot prefill), or prefill the prompt `prefill_chunk` tokens at a time,
     evicting down to the budget after each chunk (README, "Chunked prefill"; only policies with
-    `supports_chunked_prefill`); the budget or ratio still refers to the whole prompt."""
+    `supports_chunked_prefill`); the budget or ratio still refers to the whole prompt.
+    kv_quant: None (keys and values in the model dtype), a preset name of `kvjax.kv_quant.PRESETS`
+    ("int8", "fp8", "int4", "int2", ...) or a `kvjax.kv_quant.KVQuant`: decode from quantized storage
+    (the full cache too)."""
 
     policy: str | Policy | None = None
     compression_ratio: float | None = None
     budget: int | None = None
     prefill_chunk: int | None = None
+    kv_quant: str | KVQuant | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_quant", kv_quant_config(self.kv_quant))
         if self.prefill_chunk is not None:
             if isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, (int, np.integer)):
                 raise TypeError(f"prefill_chunk must be an int (prompt tokens per chunk) or None, "
@@ -89,17 +96,27 @@ class Setting:
 
     @property
     def label(self) -> str:
-        """``full``, ``r=0.5`` or ``C=128``."""
-        if self.policy is None:
-            return "full"
-        return f"r={self.compression_ratio:g}" if self.compression_ratio is not None else f"C={self.budget}"
+        """``full``, ``r=0.5`` or ``C=128``, followed by the storage when quantized (``r=0.5 int4``)."""
+        base = "full" if self.policy is None else (
+            f"r={self.compression_ratio:g}" if self.compression_ratio is not None else f"C={self.budget}")
+        return base if self.kv_quant is None else f"{base} {self.kv_quant.name}"
 
     def kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `generate` (prefill_chunk only when set)."""
+        """The keyword arguments of `generate` (prefill_chunk and kv_quant only when set)."""
         kw = {"policy": self.policy, "compression_ratio": self.compression_ratio, "budget": self.budget}
         if self.prefill_chunk is not None:
             kw["prefill_chunk"] = self.prefill_chunk
+        if self.kv_quant is not None:
+            kw["kv_quant"] = self.kv_quant
         return kw
+
+
+def kv_quant_config(kv_quant: str | KVQuant | None) -> KVQuant | None:
+    """`kvjax.kv_quant.resolve`, with the error naming the argument."""
+    try:
+        return resolve_kv_quant(kv_quant)
+    except ValueError as err:
+        raise ValueError(f"kv_quant: {err}") from None
 
 
 @dataclasses.dataclass
@@ -115,7 +132,10 @@ class GenerateOutput:
     kept_final [B]: the same at the end of decoding (decode-time policies evict as they go);
     kept_peak / kept_mean [B]: the most and the mean entries per (layer, head) the cache held while
       the row decoded (after the question, and after each generated token's step);
-    kv_bytes_peak / kv_bytes_mean [B]: the key/value bytes of those entries, over all layers and heads;
+    kv_bytes_peak / kv_bytes_mean [B]: the key/value bytes of those entries, over all layers and heads, in
+      the model dtype; kv_bytes16_peak / kv_bytes16_mean [B]: the same at 16 bits per element, as a
+      bf16 cache holds them (a quantized cache: its codes, scales and zero points, and the window's
+      entries at 16 bits): the equal-memory axis;
     budget [B]: the setting's nominal entries per KV head for each row (kvpress's int(T*(1-r)) for a
       ratio), None for the full cache; budget_reached [B]: whether the cache held at most that many
       entries (+1 for the decode write) at some point, i.e. whether the policy really compressed."""
@@ -135,6 +155,8 @@ class GenerateOutput:
     budget: np.ndarray | None = None
     budget_reached: np.ndarray | None = None
     cache_layout: str = "dense"
+    kv_bytes16_peak: np.ndarray | None = None
+    kv_bytes16_mean: np.ndarray | None = None
 
 
 CACHE_LAYOUTS = ("dense", "ragged")
@@ -345,7 +367,11 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
         first = batch.sampler(logits[:, 0], k_question)
         pos0 = jnp.asarray(batch.lengths + batch.q_lengths)
     layout = "dense"
-    if cache_layout == "ragged" and ragged_supported(model, policy):
+    if run.setting.kv_quant is not None:  # scored and compacted in full precision; quantized once, here
+        run.setting.kv_quant.check(cfg.head_dim)
+        cache = steps.to_quantized(cache, config=run.setting.kv_quant)
+        layout = "quantized"
+    elif cache_layout == "ragged" and ragged_supported(model, policy):
         counts = np.asarray(jax.device_get(cache.num_valid()))
         room = batch.steps  # decode writes at most steps - 1 tokens
         cache = steps.to_ragged(cache, layout=choose_layout(counts, room, RAGGED_GRANULE), room=room)
@@ -369,8 +395,10 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
             texts.append(model.tokenizer.decode(out[b, : out_lengths[b]].tolist(), skip_special_tokens=True))
     heads = cfg.num_global_layers * cfg.num_kv_heads
     entry_bytes = 2 * cfg.head_dim * np.dtype(cfg.jnp_dtype).itemsize
-    kept, kept_min, kept_max, kept_sum, n, kept_final = (np.asarray(x, np.float64) for x in jax.device_get(
-        (kept, final.kept_min, final.kept_max, final.kept_sum, final.active_steps, _entries(final.cache))))
+    kept, kept_min, kept_max, kept_sum, n, kept_final, bytes_max, bytes_sum = (
+        np.asarray(x, np.float64) for x in jax.device_get((kept, final.kept_min, final.kept_max, final.kept_sum,
+                                                           final.active_steps, _entries(final.cache), final.bytes_max,
+                                                           final.bytes_sum)))
     budget = reached = None
     if run.setting.policy is not None:
         budget = np.asarray(row_budgets(batch.lengths, run.setting.budget, run.setting.compression_ratio,
@@ -382,7 +410,8 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
                           kept_peak=kept_max / heads, kept_mean=kept_sum / np.maximum(n, 1) / heads,
                           kv_bytes_peak=(kept_max * entry_bytes).astype(np.int64),
                           kv_bytes_mean=kept_sum / np.maximum(n, 1) * entry_bytes, budget=budget,
-                          budget_reached=reached, cache_layout=layout)
+                          budget_reached=reached, cache_layout=layout, kv_bytes16_peak=bytes_max.astype(np.int64),
+                          kv_bytes16_mean=bytes_sum / np.maximum(n, 1))
 
 
 def _merge(outs: list[GenerateOutput], parts: list[np.ndarray], B: int) -> GenerateOutput:
@@ -453,6 +482,7 @@ def generate_settings(
     split: str | None = "bucket",
     prefill_chunk: int | None = None,
     cache_layout: str = "dense",
+    kv_quant: str | KVQuant | None = None,
 ) -> list[GenerateOutput | ValueError]:
     """`generate` for one batch under several settings, sharing the model prefill between them.
 
@@ -468,12 +498,15 @@ def generate_settings(
     `generate`); the full-cache setting keeps its one-shot prefill, and chunked settings prefill on
     their own (they share no prefill).
     cache_layout: as in `generate`.
+    kv_quant: the storage of every setting without a `kv_quant` of its own (see `generate`).
     """
     check_cache_layout(cache_layout)
     settings = [st if isinstance(st, Setting) else Setting(*st) for st in settings]
     if prefill_chunk is not None:
         settings = [dataclasses.replace(st, prefill_chunk=prefill_chunk)
                     if st.policy is not None and st.prefill_chunk is None else st for st in settings]
+    if kv_quant is not None:
+        settings = [dataclasses.replace(st, kv_quant=kv_quant) if st.kv_quant is None else st for st in settings]
     batch = prepare(model, prompts, questions=questions, max_new_tokens=max_new_tokens, temperature=temperature,
                     top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, chat_template=chat_template, buckets=buckets,
                     question_tokens=question_tokens, decode_tokens=decode_tokens)
@@ -508,6 +541,7 @@ def generate(
     split: str | None = "bucket",
     prefill_chunk: int | None = None,
     cache_layout: str = "dense",
+    kv_quant: str | KVQuant | None = None,
 ) -> GenerateOutput:
     """Generates continuations for a batch of prompts of different lengths.
 
@@ -549,8 +583,14 @@ def generate(
       dense); Gemma's sliding-window layers keep their rolling buffers; the output's `cache_layout`
       says which ran. Its sizes are read from the kept counts on the host (one sync
       per run), rounded up to `RAGGED_GRANULE`; each distinct layout is one compilation.
+    kv_quant: None (default: keys and values in the model dtype), a preset name of `kvjax.kv_quant.PRESETS`
+      ("int8", "fp8", "int4", "int4_kivi", "int4_hadamard", "int2", "int2_kivi", "int2_hadamard") or a
+      `kvjax.kv_quant.KVQuant` (format, key axis, group, full-precision window, rotation): after the
+      prompt is scored and compressed in full precision (and the question fed), the kept entries are
+      quantized once and decoding reads them from codes (`kvjax.cache_quant`; `cache_layout` then
+      reports "quantized"). Decode appends go to a full-precision window, flushed when full.
     """
-    setting = Setting(policy, compression_ratio, budget, prefill_chunk)
+    setting = Setting(policy, compression_ratio, budget, prefill_chunk, kv_quant)
     return generate_settings(model, prompts, [setting], questions=questions, max_new_tokens=max_new_tokens,
                              temperature=temperature, top_k=top_k, top_p=top_p, key=key, stop_tokens=stop_tokens,
                              chat_template=chat_template, buckets=buckets, question_tokens=question_tokens,

@@ -18,7 +18,9 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import KVCache, gather_slots
+from kvjax import cache_quant
 from kvjax.cache_ragged import Layout, RaggedCache, from_cache
+from kvjax.kv_quant import KVQuant
 from kvjax.models.config import ModelConfig
 from kvjax.models.forward import extend, split_layers
 from kvjax.models.local import init_cache
@@ -172,6 +174,13 @@ def to_ragged(cache: KVCache, *, layout: Layout, room: int) -> RaggedCache:
     return from_cache(cache, layout, room)
 
 
+@functools.partial(jax.jit, static_argnames=("config",))
+def to_quantized(cache: KVCache, *, config: KVQuant) -> cache_quant.QuantizedKVCache:
+    """The cache's entries quantized (`kvjax.cache_quant`), the same slots and positions."""
+    TRACE_COUNTS["to_quantized"] += 1
+    return cache_quant.from_cache(cache, config)
+
+
 def row_entries(cache: KVCache | RaggedCache) -> jax.Array:
     """KV entries per row, summed over layers and heads: [B] float32."""
     return cache.row_entries()
@@ -185,7 +194,9 @@ class DecodeState:
     each row; pos [B]: its next position; done [B]: rows that emitted a stop token;
     policy_state: the decode-time policy's state (None for the others);
     kept_min / kept_max / kept_sum [B]: KV entries of each row (summed over layers and heads) after
-    each step while the row generates, and `active_steps` [B] how many such states were counted.
+    each step while the row generates, and `active_steps` [B] how many such states were counted;
+    bytes_max / bytes_sum [B]: their key/value bytes at 16 bits per element (codes and scales for a
+    quantized cache: `row_kv_bytes`).
     """
 
     step: jax.Array
@@ -200,14 +211,18 @@ class DecodeState:
     kept_max: jax.Array
     kept_sum: jax.Array
     active_steps: jax.Array
+    bytes_max: jax.Array
+    bytes_sum: jax.Array
 
     def count_kept(self, active: jax.Array) -> "DecodeState":
         """Adds the cache's current entries to the statistics of the `active` rows."""
-        n = row_entries(self.cache)
+        n, nb = row_entries(self.cache), self.cache.row_kv_bytes()
         return self.replace(kept_min=jnp.where(active, jnp.minimum(self.kept_min, n), self.kept_min),
                             kept_max=jnp.where(active, jnp.maximum(self.kept_max, n), self.kept_max),
                             kept_sum=self.kept_sum + jnp.where(active, n, 0.0),
-                            active_steps=self.active_steps + active.astype(jnp.int32))
+                            active_steps=self.active_steps + active.astype(jnp.int32),
+                            bytes_max=jnp.where(active, jnp.maximum(self.bytes_max, nb), self.bytes_max),
+                            bytes_sum=self.bytes_sum + jnp.where(active, nb, 0.0))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "sampler", "stop_ids", "pad_id", "mesh",
@@ -231,7 +246,7 @@ def decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Arr
     state = DecodeState(step=jnp.int32(1), tokens=jnp.full((B, steps), pad_id, jnp.int32).at[:, 0].set(first),
                         cache=cache, policy_state=policy_state, last=first, pos=pos0, done=jnp.isin(first, stops),
                         key=key, kept_min=big, kept_max=-big, kept_sum=jnp.zeros((B,), jnp.float32),
-                        active_steps=jnp.zeros((B,), jnp.int32))
+                        active_steps=jnp.zeros((B,), jnp.int32), bytes_max=-big, bytes_sum=jnp.zeros((B,), jnp.float32))
     state = state.count_kept(jnp.ones((B,), bool))
     if (policy is not None or rope_mode != "original") and not cache.stacked:
         raise ValueError("decode: decode-time eviction and rope_mode 'cache_relative' need the dense KVCache layout")

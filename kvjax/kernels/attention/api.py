@@ -22,6 +22,9 @@ Implementations (`IMPLEMENTATIONS`):
                 of a cache; out + probs
   flash         blocked online-softmax attention in XLA (`flash_xla`); out + lse, forward only
   segment       decode attention over `SegmentedKeys` (the ragged layout's per-head segments)
+  quantized     one query over `QuantizedKeys`: the quantized decode kernel (codes dequantized inside
+                it) and the full-precision window, merged; out + lse + probs
+  dequantized   several queries over `QuantizedKeys`, through a dequantized copy (no decode path uses it)
   materialized  probabilities materialised (`reference.attend`); out + probs
   blocked       `reference.attend_blocked`: query blocks of `reference.QUERY_BLOCK`; out (+ column mass)
 
@@ -43,8 +46,8 @@ from flax import struct
 
 from kvjax import _compat
 from kvjax.kernels._dispatch import resolve_implementation
-from kvjax.kernels.attention import flash_xla, reference, splash_tpu
-from kvjax.kernels.attention.keys import Keys, SegmentedKeys
+from kvjax.kernels.attention import flash_xla, quantized, reference, splash_tpu
+from kvjax.kernels.attention.keys import Keys, QuantizedKeys, SegmentedKeys
 from kvjax.kernels.column_mass.api import column_mass as column_mass_op
 from kvjax.kernels.decode_attention.api import decode_attention
 from kvjax.kernels.segment_attention import segment_decode_attention
@@ -157,6 +160,24 @@ def _segment(q: jax.Array, keys: object, q_pos: jax.Array, o: Options) -> Attent
     return Attention(out=out[:, :, None])
 
 
+def _quantized(q: jax.Array, keys: object, q_pos: jax.Array, o: Options) -> Attention:
+    if not isinstance(keys, QuantizedKeys):
+        raise NotImplementedError(f"quantized reads QuantizedKeys, not {type(keys).__name__}")
+    if q.shape[2] != 1 or o.window is not None or o.differentiable:
+        raise NotImplementedError("quantized takes one query, no window, forward only")
+    o.provides("quantized", {"lse", "probs"})
+    out, lse, probs = quantized.decode(q, keys, q_pos, scale=o.scale, softcap=o.softcap,
+                                       with_probs=bool(o.returns & {"probs", "column_mass"}))
+    return Attention(out=out, lse=lse, probs=probs)
+
+
+def _dequantized(q: jax.Array, keys: object, q_pos: jax.Array, o: Options) -> Attention:
+    if not isinstance(keys, QuantizedKeys):
+        raise NotImplementedError(f"dequantized reads QuantizedKeys, not {type(keys).__name__}")
+    o.provides("dequantized", set())
+    return Attention(out=quantized.chunk(q, keys, q_pos, scale=o.scale, window=o.window, softcap=o.softcap))
+
+
 def _long_prefill(q: jax.Array, o: Options) -> bool:
     n = q.shape[2]
     return o.own_keys and n > reference.QUERY_BLOCK and n % reference.QUERY_BLOCK == 0
@@ -192,6 +213,8 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, tuple[str, ...]]] = {
     "decode": (_decode, ALL_BACKENDS),
     "flash": (_flash, ALL_BACKENDS),
     "segment": (_segment, ALL_BACKENDS),
+    "quantized": (_quantized, ALL_BACKENDS),
+    "dequantized": (_dequantized, ALL_BACKENDS),
     "materialized": (_materialized, ALL_BACKENDS),
     "blocked": (_blocked, ALL_BACKENDS),
 }
