@@ -5,8 +5,12 @@ fresh process, as a notebook would (later blocks use the names earlier ones defi
 ...), from a directory other than the repository, with max_new_tokens and every other argument as written.
 The process has 8 fake CPU devices (`XLA_FLAGS=--xla_force_host_platform_device_count=8`, as the Sharding
 section says to set before jax is imported), so the Sharding block runs in its place and the blocks after it
-use its sharded `model`. After each block, its check (CHECKS) asserts what the block prints or claims. A
-failure names the block's section, README line, first line, the failing statement and the traceback.
+use its sharded `model`. A block's commented-out alternatives (a comment that is one assignment of a call: the
+Quick start's `# model = kvjax.load_model(...)` lines) are evaluated after it, without rebinding the name. After
+each block, its check (CHECKS) asserts what the block prints or claims. A failure names the block's section,
+README line, first line, the failing statement and the traceback. Cost: about 75 s of CPU in the subprocess,
+nearly all of it compiling the programs of its 13 generate / compress calls (`-s` prints each block's wall and
+CPU time), plus about 10 s building the tiny models of SUBSTITUTIONS.
 What the test changes, and why, is in SUBSTITUTIONS (strings replaced before running) and SKIPPED (blocks
 not run; none today); nothing else is changed.
 
@@ -14,7 +18,9 @@ test_commands_parse: every `python -m ...` line of the other ```bash blocks (the
 test lines are checked by tests/test_ci_commands.py) is parsed by its module's own argument parser (the
 parser's `parse_args` is stopped once it returns, so nothing runs), and config files and values are
 validated as the command would (`kvjax.eval`: `cli.resolve`; the training commands: their config loaders).
-A renamed or removed flag, a missing config or an unknown policy or task fails it.
+The `python -m <kvjax CLI> ...` commands quoted in the prose are parsed too. A renamed or removed flag, a missing
+config or an unknown policy or task fails it. Nothing is run: the `--dry-run` command's lowering is
+tests/lookahead_train/test_pod.py's job (same config), the others train or evaluate for minutes to hours.
 """
 
 from __future__ import annotations
@@ -336,21 +342,27 @@ def parse_command(argv: list[str], monkeypatch) -> tuple[str, Parsed | None]:
     raise AssertionError(f"{shlex.join(argv)}: the parser was never called")
 
 
-def readme_commands() -> list[str]:
-    """`python -m ...` lines of the bash blocks after the first (continuations joined, comments dropped)."""
+CLI_MODULES = ("kvjax.eval", "kvjax.bench", "train_lookahead", "kvjax.training.bundled")
+
+
+def readme_commands() -> list[list[str]]:
+    """`python -m ...` lines of the bash blocks after the first (continuations joined, comments dropped), then the
+    `python -m <kvjax CLI> ...` commands quoted in the prose (`python -m kvjax.eval --cache-layout ragged`)."""
     commands = []
     for block in readme_blocks("bash")[1:]:
         for line in block.code.replace("\\\n", " ").splitlines():
             words = shlex.split(line, comments=True)
             if words:
                 commands.append(words)
+    modules = "|".join(re.escape(m) for m in CLI_MODULES)
+    commands += [shlex.split(c) for c in re.findall(rf"`(python -m (?:{modules})(?: [^`]*)?)`", README.read_text())]
     return commands
 
 
 def test_commands_parse(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)  # the README's commands run from the repository root (configs/...)
     commands = readme_commands()
-    assert len(commands) >= 15, commands
+    assert len(commands) >= 20, commands
     others = [shlex.join(c) for c in commands if c[:2] != ["python", "-m"]]
     assert not others, f"README bash lines that are not `python -m ...`: check them here too: {others}"
     failures = []
