@@ -23,9 +23,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from kvjax.eval.prompts import build_prompt
+from kvjax.data.prompts import build_prompt
 from kvjax.eval.tasks import generate_task, resolve_tasks
-from kvjax.eval.tasks.base import encode
+from kvjax.data.base import encode
 
 from train_lookahead.config import DataSection, SourceSection
 

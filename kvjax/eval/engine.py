@@ -9,8 +9,8 @@ import pathlib
 from typing import Any
 
 from kvjax import engine
+from kvjax.data.prompts import build_prompt, encode_prompt
 from kvjax.engine.api import check_cache_layout
-from kvjax.eval.prompts import build_prompt, encode_prompt
 from kvjax.models import load_model
 from kvjax.models.gguf import GGUFFile, config_dict, is_gguf
 from kvjax.models.model import BUNDLED, BUNDLED_MODEL_DIR, resolve_checkpoint
