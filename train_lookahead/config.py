@@ -54,7 +54,7 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class SourceSection:
-    """One prompt source. synthetic: `tasks` (names or suites of kvjax.eval.tasks) at `context_length`
+    """One prompt source. synthetic: `tasks` (names or suites of kvjax.data) at `context_length`
     tokens, `num_samples` in all, task by task in turn; jsonl / parquet: a local `path` whose rows hold
     "prompt" (text), "messages" (chat turns) or "tokens" (ids); hf: dataset `name` (+ `subset`,
     `split`) with the same fields, online only. `num_samples` None takes every row of a file."""

@@ -15,8 +15,8 @@ import jax
 from jax.sharding import Mesh
 
 import kvjax
-from kvjax.eval.engine import resolve_model
 from kvjax.lookahead import check_positions, init_adapter
+from kvjax.models.model import resolve_model
 from kvjax.sharding import make_mesh, param_shardings
 
 from train_lookahead.config import MeshSection, ModelSection, RunConfig

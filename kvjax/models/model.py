@@ -71,6 +71,14 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, *, revision: str | None 
             ) from None
 
 
+def resolve_model(spec: str | None) -> str:
+    """``bundled`` (or None) -> the model shipped in the package; a ``.gguf`` file or a folder as is;
+    anything else is a Hub id (see `resolve_checkpoint`)."""
+    if spec in (None, BUNDLED):
+        return str(resolve_checkpoint(BUNDLED))
+    return str(spec)
+
+
 def load_tokenizer(folder: pathlib.Path) -> Any:
     """transformers' AutoTokenizer when the folder has tokenizer files, else None (`kvjax.tokenizer.load_tokenizer`)."""
     return _load_tokenizer(folder, required=False)
