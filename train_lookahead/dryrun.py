@@ -18,9 +18,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvjax.lookahead import init_adapter
 from kvjax.models.config import ModelConfig
-from kvjax.models.loading import param_shapes
+from kvjax.models.loading import param_shapes, param_shardings
 from kvjax.models.model import Model
-from kvjax.sharding import param_shardings
 
 from train_lookahead.config import RunConfig
 from train_lookahead.loss import lookahead_loss

@@ -16,8 +16,9 @@ from jax.sharding import Mesh
 
 import kvjax
 from kvjax.lookahead import check_positions, init_adapter
+from kvjax.models.loading import param_shardings
 from kvjax.models.model import resolve_model
-from kvjax.sharding import make_mesh, param_shardings
+from kvjax.sharding import make_mesh
 
 from train_lookahead.config import MeshSection, ModelSection, RunConfig
 from train_lookahead.data import train_dataset

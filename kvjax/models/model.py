@@ -11,8 +11,7 @@ import jax
 
 from kvjax.models.config import SUPPORTED_DTYPES, ModelConfig
 from kvjax.models.gguf import is_gguf, load_gguf
-from kvjax.models.loading import load_params, to_device
-from kvjax.sharding import param_shardings
+from kvjax.models.loading import load_params, param_shardings, to_device
 from kvjax.tokenizer import load_tokenizer as _load_tokenizer
 
 BUNDLED = "bundled"

@@ -15,7 +15,8 @@ import pytest
 
 import kvjax
 from kvjax.lookahead import LookaheadConfig, init_adapter
-from kvjax.sharding import make_mesh, param_shardings
+from kvjax.models.loading import param_shardings
+from kvjax.sharding import make_mesh
 from train_lookahead.config import OptimSection
 from train_lookahead.data import train_dataset
 from train_lookahead.loss import lookahead_loss
