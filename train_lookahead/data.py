@@ -35,6 +35,9 @@ SEED_OFFSET = 2 * 10**6
 MAX_PER_SEED = 10**6  # synthetic samples per task and source seed (seeds of different sources never meet)
 
 PROMPT_FIELDS = ("prompt", "messages", "tokens")
+# the axis of each training batch array that holds its rows (split over the "data" mesh axis by
+# kvjax.training's loop): target is [L, B, Hq, T], every other array [B, ...]
+ROW_AXES = {"target": 1}
 
 
 def synthetic_seed(source_seed: int, k: int) -> int:

@@ -20,10 +20,11 @@ from kvjax.lookahead import init_adapter
 from kvjax.models.config import ModelConfig
 from kvjax.models.loading import param_shapes, param_shardings
 from kvjax.models.model import Model
+from kvjax.training import batch_shardings, build_step, init_state, make_optimizer
 
 from train_lookahead.config import RunConfig
+from train_lookahead.data import ROW_AXES
 from train_lookahead.loss import lookahead_loss
-from train_lookahead.train import batch_shardings, build_step, init_state, make_optimizer
 
 
 def model_config(run: RunConfig) -> ModelConfig:
@@ -48,7 +49,7 @@ def abstract_batch(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> dict[str, ja
         shapes["target"] = ((cfg.num_layers, B, cfg.num_heads, T), jnp.float32)
     else:
         shapes.update(response=((B, Y), jnp.int32), response_positions=((B, Y), jnp.int32))
-    s = batch_shardings(mesh, tuple(shapes))
+    s = batch_shardings(mesh, tuple(shapes), ROW_AXES)
     return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s[k]) for k, (shape, dtype) in shapes.items()}
 
 
@@ -65,6 +66,7 @@ def lower_train_step(run: RunConfig, cfg: ModelConfig, mesh: Mesh, steps: int = 
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          jax.eval_shape(lambda t: init_state(t, tx), trainable))
     batch = abstract_batch(run, cfg, mesh)
-    step = build_step(lookahead_loss(cfg, la, run.train.remat), tx, mesh, param_shardings(cfg, mesh), tuple(batch))
+    step = build_step(lookahead_loss(cfg, la, run.train.remat), tx, mesh, param_shardings(cfg, mesh), tuple(batch),
+                      ROW_AXES)
     with jax.set_mesh(mesh):
         return step.trace(state, frozen, batch).lower()
