@@ -46,7 +46,7 @@ def abstract_batch(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> dict[str, ja
     B, T, Y = run.train.batch_size, run.data.max_prompt_tokens, run.targets.max_response_tokens
     shapes = {"tokens": ((B, T), jnp.int32), "positions": ((B, T), jnp.int32)}
     if run.targets.mode == "stored":
-        shapes["target"] = ((cfg.num_layers, B, cfg.num_heads, T), jnp.float32)
+        shapes["target"] = ((cfg.num_global_layers, B, cfg.num_heads, T), jnp.float32)
     else:
         shapes.update(response=((B, Y), jnp.int32), response_positions=((B, Y), jnp.int32))
     s = batch_shardings(mesh, tuple(shapes), ROW_AXES)

@@ -1,12 +1,16 @@
 """LookaheadKV's attention quantities (policies.md §11.1, §11.3), computed with the model's `extend`.
 
-Shapes: L layers, B rows, Hq query heads, C cache slots, n lookahead tokens, Y response tokens.
-The prompt cache is a frozen prefill's `KVCache` ([L,B,Hkv,C,D]); row b's prompt has `lengths[b]`
-tokens at positions 0 .. lengths[b]-1.
+Shapes: L global layers (`cfg.num_global_layers`: every layer of a Llama-family model; Gemma 2 / 3's
+sliding-window layers need no eviction, and observations cover the global layers only), B rows, Hq
+query heads, C cache slots, n lookahead tokens, Y response tokens. The prompt cache is a frozen
+prefill's `KVCache` ([L,B,Hkv,C,D], plus rolling buffers for sliding-window layers: `prompt_cache`);
+row b's prompt has `lengths[b]` tokens at positions 0 .. lengths[b]-1.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -14,8 +18,10 @@ import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.lookahead.config import LookaheadConfig
+from kvjax.models import llama
 from kvjax.models.config import ModelConfig
 from kvjax.models.llama import extend
+from kvjax.models.local import init_cache
 from kvjax.observations import ObservationSpec
 
 RESPONSE_CHUNK = 128  # response tokens fed per step in `response_attention`
@@ -28,6 +34,39 @@ def check_positions(cfg: ModelConfig, prompt_tokens: int, config: LookaheadConfi
         raise ValueError(
             f"a prompt of {int(prompt_tokens)} tokens plus n_tokens={config.n_tokens} lookahead tokens needs {need} "
             f"positions, more than the model allows (max_position_embeddings={cfg.max_position_embeddings})")
+
+
+def prompt_cache(model_params: dict[str, Any], model_cfg: ModelConfig, tokens: jax.Array,
+                 positions: jax.Array) -> KVCache:
+    """The frozen prefill's cache of right-padded prompts tokens/positions [B,T] (slot i = token i):
+    capacity T on each global layer ([L,B,Hkv,T,D]), and for a model with sliding-window layers
+    their rolling buffers (`kvjax.models.local.init_cache`)."""
+    B, T = tokens.shape
+    cache = init_cache(model_cfg, B, T)
+    _, cache, _ = extend(model_params, model_cfg, cache, tokens, positions, fresh=True,
+                         logit_index=jnp.zeros((B, 1), jnp.int32))  # no [B, T, V] logits
+    return cache
+
+
+@contextlib.contextmanager
+def _differentiable_local_layers(model_cfg: ModelConfig) -> Iterator[None]:
+    """While `extend` is traced inside: sliding-window layers attend a chunk to the cache with
+    materialised probabilities, as the global layers of the lookahead pass already do (query_mass),
+    instead of the blocked flash attention, whose loop reverse mode cannot differentiate.
+
+    A workaround through the model's trace-time switch `llama.FLASH_ATTENTION`, for models with
+    sliding-window layers only; the forward-seams refactor is to offer a differentiable attention for a
+    pass against a cache (the Gemma training test in tests/lookahead_train fails without one).
+    """
+    if not model_cfg.local_layer_ids:
+        yield
+        return
+    saved = llama.FLASH_ATTENTION
+    llama.FLASH_ATTENTION = False
+    try:
+        yield
+    finally:
+        llama.FLASH_ATTENTION = saved
 
 
 def adapter_hook(adapter_params: dict[str, Any], config: LookaheadConfig, mask: jax.Array) -> dict[str, Any]:
@@ -60,8 +99,10 @@ def predicted_attention(model_params: dict[str, Any], model_cfg: ModelConfig, ad
                         remat: bool = False) -> jax.Array:
     """s̃ (§11.3): per query head, the mean over the n lookahead queries of their attention
     probabilities over the cache slots (softmax over prompt + causal lookahead keys, then restricted
-    to the prompt slots; empty slots 0). [L,B,Hq,C] float32, differentiable w.r.t. adapter_params."""
-    mass = lookahead_mass(model_params, model_cfg, adapter_params, config, cache, lengths, remat=remat)
+    to the prompt slots; empty slots 0). [L,B,Hq,C] float32, differentiable w.r.t. adapter_params
+    (through every layer, sliding-window layers included)."""
+    with _differentiable_local_layers(model_cfg):
+        mass = lookahead_mass(model_params, model_cfg, adapter_params, config, cache, lengths, remat=remat)
     return mass / config.n_tokens
 
 
@@ -69,8 +110,8 @@ def response_attention(model_params: dict[str, Any], model_cfg: ModelConfig, cac
                        response_tokens: jax.Array, response_positions: jax.Array, *,
                        chunk: int = RESPONSE_CHUNK) -> jax.Array:
     """s_GT (§11.1): per query head, the mean over each row's real response tokens of their attention
-    probabilities over the prompt slots of `cache` ([L,B,Hq,C] float32; 0 on empty slots, and for a
-    row without response tokens).
+    probabilities over the prompt slots of `cache` ([L,B,Hq,C] float32 over the L = num_global_layers
+    layers the cache holds; 0 on empty slots, and for a row without response tokens).
 
     response_tokens [B,Y] int32, response_positions [B,Y] int32 (-1 = padding; a real response
     token continues the prompt, at lengths[b] + t). The response runs as a continuation against the
@@ -95,7 +136,7 @@ def response_attention(model_params: dict[str, Any], model_cfg: ModelConfig, cac
                                observe=ObservationSpec(query_mass=True), logit_index=jnp.zeros((B, 1), jnp.int32))
         return (grown, acc + obs.query_mass[..., :C]), None
 
-    acc0 = jnp.zeros((model_cfg.num_layers, B, model_cfg.num_heads, C), jnp.float32)
+    acc0 = jnp.zeros((model_cfg.num_global_layers, B, model_cfg.num_heads, C), jnp.float32)
     (_, acc), _ = jax.lax.scan(one, (grown, acc0), (tok, pos))
     count = jnp.sum(response_positions >= 0, axis=-1).astype(jnp.float32)  # [B]
     out = acc / jnp.maximum(count, 1.0)[None, :, None, None]
