@@ -2,8 +2,8 @@
 authors' code snu-mllab/KVzip, kvpress KVzipPress).
 
 The score of a prompt key is its max attention from the queries of a repeat-the-context pass
-(`Reconstruction` observation, recorded by the engine's prefill chunk by chunk; see
-kvjax/engine/reconstruct.py). The first n_sink tokens are protected (kvpress gives them score 1).
+(the `Reconstruction` observation, a pass the engine runs after the prefill, chunk by chunk; see
+kvjax/observations/reconstruction.py). The first n_sink tokens are protected (kvpress gives them score 1).
 Budgets are shared by all layers and KV heads (layerwise=False, the default: kvpress prunes
 int(L Hkv T r) entries over the whole cache) or by the heads of each layer (layerwise=True).
 
