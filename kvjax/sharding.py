@@ -1,7 +1,8 @@
 """Device meshes and logical-axis sharding rules (batch -> data, heads -> model).
 
-This module sits below kvjax.models and imports none of it: the params' logical axes and
-`param_shardings` are in `kvjax.models.loading`, next to the param shapes.
+This module sits below kvjax.models and the caches and imports none of them: the params' logical axes
+and `param_shardings` are in `kvjax.models.loading`, next to the param shapes; each cache layout
+names its own arrays' logical axes (`shardings(mesh)`).
 """
 
 from __future__ import annotations
@@ -11,9 +12,6 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 # logical axis -> mesh axis
 RULES = {"batch": "data", "kv_heads": "model", "heads": "model", "mlp": "model", "vocab": "model"}
-
-CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
-
 
 def make_mesh(data: int | None = None, model: int = 1, devices: list | None = None) -> Mesh:
     """A ("data", "model") mesh; `data` defaults to all devices not used by `model`."""
@@ -41,11 +39,3 @@ def logical_sharding(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh:
         else:
             spec.append(mesh_axis)
     return NamedSharding(mesh, P(*spec))
-
-
-def cache_shardings(cache, mesh: Mesh):
-    """Shardings for a KVCache: batch over data, KV heads over model (positions and masks alike)."""
-    full = logical_sharding(CACHE_AXES, cache.k.shape, mesh)
-    meta = NamedSharding(mesh, P(*full.spec[:4]))
-    local = None if getattr(cache, "local", None) is None else cache_shardings(cache.local, mesh)
-    return type(cache)(k=full, v=full, pos=meta, valid=meta, local=local)

@@ -42,7 +42,11 @@ def below(name: str, prefixes: tuple[str, ...]) -> bool:
     ("kvjax.tokenizer", ("kvjax.eval", "kvjax.training", "kvjax.engine")),
     ("kvjax.training", ("kvjax.eval", "kvjax.engine", "train_lookahead")),
     ("kvjax.training.bundled", ("kvjax.eval", "kvjax.engine")),
-    ("kvjax.models", ("kvjax.policies", "kvjax.lookahead", "kvjax.engine", "kvjax.eval", "kvjax.training")),
+    ("kvjax.models", ("kvjax.policies", "kvjax.lookahead", "kvjax.engine", "kvjax.eval", "kvjax.training",
+                      "kvjax.passes")),
+    # the recorders sit below the model; the passes run after the prefill (they run the model) above it
+    ("kvjax.observations", ("kvjax.models", "kvjax.passes", "kvjax.policies", "kvjax.engine", "kvjax.lookahead")),
+    ("kvjax.passes", ("kvjax.policies", "kvjax.engine", "kvjax.eval", "kvjax.training")),
     # meshes and logical-axis rules sit below the models (which shard their params by them)
     ("kvjax.sharding", ("kvjax.models", "kvjax.policies", "kvjax.lookahead", "kvjax.engine", "kvjax.eval",
                         "kvjax.training")),
@@ -50,7 +54,7 @@ def below(name: str, prefixes: tuple[str, ...]) -> bool:
     ("kvjax.policies", ("kvjax.models", "kvjax.engine", "kvjax.eval", "kvjax.training")),
     ("kvjax.kernels", ("kvjax.policies", "kvjax.models", "kvjax.engine", "kvjax.eval")),
     ("kvjax.lookahead", ("kvjax.policies", "kvjax.engine", "kvjax.eval", "kvjax.training")),
-    ("kvjax.engine", ("kvjax.eval", "kvjax.training")),
+    ("kvjax.engine", ("kvjax.eval", "kvjax.training", "kvjax.passes")),
     ("train_lookahead", ("kvjax.eval",)),  # the pipeline uses kvjax.data and kvjax.models, not the eval app
 ])
 def test_imports_stay_below(package, forbidden):
