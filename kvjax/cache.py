@@ -27,15 +27,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from kvjax.kernels.attention import Keys
+from kvjax.sharding import logical_sharding
 
-
-def mesh_axis(mesh: Mesh, axis: str, size: int) -> str | None:
-    """`axis` when the mesh has it and it divides `size` (the dimension stays replicated otherwise)."""
-    n = dict(mesh.shape).get(axis)
-    return axis if n and size % n == 0 else None
+# logical axes of the cache arrays (k, v; pos and valid are the first four)
+CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 
 
 @struct.dataclass
@@ -193,23 +191,10 @@ class KVCache:
 
     def shardings(self, mesh: Mesh) -> "KVCache":
         """The cache's layout over `mesh`: rows over "data", KV heads over "model" (where they divide)."""
-        _, B, H = self.k.shape[:3]
-        spec = (None, mesh_axis(mesh, "data", B), mesh_axis(mesh, "model", H))
-        full, meta = NamedSharding(mesh, PartitionSpec(*spec, None, None)), NamedSharding(mesh, PartitionSpec(*spec))
+        full = logical_sharding(CACHE_AXES, self.k.shape, mesh)
+        meta = logical_sharding(CACHE_AXES[:4], self.pos.shape, mesh)
         local = None if self.local is None else self.local.shardings(mesh)
         return KVCache(k=full, v=full, pos=meta, valid=meta, local=local)
-
-    def nbytes(self) -> int:
-        """Bytes of the allocated buffers (k, v, pos, valid, and the local rolling buffers): what the
-        cache really occupies."""
-        own = sum(int(x.size) * x.dtype.itemsize for x in (self.k, self.v, self.pos, self.valid))
-        return own + (0 if self.local is None else self.local.nbytes())
-
-    def nbytes_in_use(self) -> int:
-        """Bytes of keys and values in valid slots (the logical size of what is kept)."""
-        per_entry = 2 * self.k.shape[-1] * self.k.dtype.itemsize
-        own = int(jax.device_get(self.valid.sum())) * per_entry
-        return own + (0 if self.local is None else self.local.nbytes_in_use())
 
 
 def gather_slots(x: jax.Array, src: jax.Array) -> jax.Array:

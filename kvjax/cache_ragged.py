@@ -35,9 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from kvjax.cache import KVCache, mesh_axis
+from kvjax.cache import CACHE_AXES, KVCache
+from kvjax.sharding import logical_sharding
 from kvjax.kernels.attention import Keys, SegmentedKeys
 
 # per layer: ("dense", C_l) or ("segmented", S_l)
@@ -62,10 +63,9 @@ class DenseLayer:
         return Keys(k=self.k, v=self.v, pos=self.pos)
 
     def shardings(self, mesh: Mesh) -> DenseLayer:
-        B, H = self.fill.shape
-        spec = (mesh_axis(mesh, "data", B), mesh_axis(mesh, "model", H))
-        full, meta = NamedSharding(mesh, PartitionSpec(*spec, None, None)), NamedSharding(mesh, PartitionSpec(*spec))
-        return DenseLayer(k=full, v=full, pos=meta, fill=NamedSharding(mesh, PartitionSpec(*spec)))
+        axes = CACHE_AXES[1:]  # batch, kv_heads, cache_seq, head_dim
+        full, meta = logical_sharding(axes, self.k.shape, mesh), logical_sharding(axes[:3], self.pos.shape, mesh)
+        return DenseLayer(k=full, v=full, pos=meta, fill=logical_sharding(axes[:2], self.fill.shape, mesh))
 
 
 @struct.dataclass
@@ -92,10 +92,9 @@ class SegmentedLayer:
 
     def shardings(self, mesh: Mesh) -> SegmentedLayer:
         """Rows over "data"; a row's segments stay together (they hold every head)."""
-        rows = mesh_axis(mesh, "data", self.k.shape[0])
-        flat = NamedSharding(mesh, PartitionSpec(rows, None, None))
-        heads = NamedSharding(mesh, PartitionSpec(rows, None))
-        return SegmentedLayer(k=flat, v=flat, pos=heads, seg=heads, start=heads, end=heads, fill=heads)
+        flat = logical_sharding(("batch", None, None), self.k.shape, mesh)
+        rows = logical_sharding(("batch", None), self.pos.shape, mesh)
+        return SegmentedLayer(k=flat, v=flat, pos=rows, seg=rows, start=rows, end=rows, fill=rows)
 
 
 @struct.dataclass

@@ -1,41 +1,17 @@
-"""Device meshes and logical-axis sharding rules (batch -> data, heads -> model)."""
+"""Device meshes and logical-axis sharding rules (batch -> data, heads -> model).
+
+This module sits below kvjax.models and the caches and imports none of them: the params' logical axes
+and `param_shardings` are in `kvjax.models.loading`, next to the param shapes; each cache layout
+names its own arrays' logical axes (`shardings(mesh)`).
+"""
 
 from __future__ import annotations
 
 import jax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from kvjax.models.config import ModelConfig
-from kvjax.models.loading import param_shapes
-
 # logical axis -> mesh axis
 RULES = {"batch": "data", "kv_heads": "model", "heads": "model", "mlp": "model", "vocab": "model"}
-
-# logical axes of every param (kvjax layout, layers stacked on a leading "layers" axis)
-_LAYER_AXES = {
-    "input_norm": ("layers", "embed"),
-    "post_norm": ("layers", "embed"),
-    "post_attn_norm": ("layers", "embed"),
-    "post_mlp_norm": ("layers", "embed"),
-    "q": ("layers", "embed", "heads"),
-    "k": ("layers", "embed", "kv_heads"),
-    "v": ("layers", "embed", "kv_heads"),
-    "o": ("layers", "heads", "embed"),
-    "q_bias": ("layers", "heads"),
-    "k_bias": ("layers", "kv_heads"),
-    "v_bias": ("layers", "kv_heads"),
-    "o_bias": ("layers", "embed"),
-    "q_norm": ("layers", "head_dim"),
-    "k_norm": ("layers", "head_dim"),
-    "gate": ("layers", "embed", "mlp"),
-    "up": ("layers", "embed", "mlp"),
-    "down": ("layers", "mlp", "embed"),
-    "gate_bias": ("layers", "mlp"),
-    "up_bias": ("layers", "mlp"),
-    "down_bias": ("layers", "embed"),
-}
-CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
-
 
 def make_mesh(data: int | None = None, model: int = 1, devices: list | None = None) -> Mesh:
     """A ("data", "model") mesh; `data` defaults to all devices not used by `model`."""
@@ -63,24 +39,3 @@ def logical_sharding(axes: tuple[str | None, ...], shape: tuple[int, ...], mesh:
         else:
             spec.append(mesh_axis)
     return NamedSharding(mesh, P(*spec))
-
-
-def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict:
-    shapes = param_shapes(cfg)
-    units = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
-    out = {
-        "embed": logical_sharding(("vocab", "embed"), shapes["embed"], mesh),
-        "final_norm": logical_sharding(("embed",), shapes["final_norm"], mesh),
-        "layers": {k: logical_sharding(_LAYER_AXES[k], s, mesh, units) for k, s in shapes["layers"].items()},
-    }
-    if "lm_head" in shapes:
-        out["lm_head"] = logical_sharding(("embed", "vocab"), shapes["lm_head"], mesh)
-    return out
-
-
-def cache_shardings(cache, mesh: Mesh):
-    """Shardings for a KVCache: batch over data, KV heads over model (positions and masks alike)."""
-    full = logical_sharding(CACHE_AXES, cache.k.shape, mesh)
-    meta = NamedSharding(mesh, P(*full.spec[:4]))
-    local = None if getattr(cache, "local", None) is None else cache_shardings(cache.local, mesh)
-    return type(cache)(k=full, v=full, pos=meta, valid=meta, local=local)

@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.eval.prompts import build_prompt, encode_prompt
-from kvjax.eval.tasks.targets import completion
+from kvjax.data.prompts import build_prompt, encode_prompt
+from kvjax.data.targets import completion
 from kvjax.models.export import init_params
 from kvjax.models import extend
 from kvjax.training import bundled

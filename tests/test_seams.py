@@ -10,7 +10,7 @@ import pytest
 
 from kvjax import observations, policies
 from kvjax.observations import ObservationSpec, Observations, WindowQueries
-from kvjax.observations.reconstruction import Reconstruction
+from kvjax.passes.reconstruction import Reconstruction
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -35,7 +35,8 @@ def _names_in(path: pathlib.Path) -> set[str]:
 
 
 def test_engine_names_no_policy_and_no_observation():
-    import kvjax.observations.lookahead  # noqa: F401  (registers the producers' keywords and fields)
+    import kvjax.passes.lookahead  # noqa: F401  (registers the producers' keywords and fields)
+    import kvjax.passes.reconstruction  # noqa: F401
 
     named = set(policies.available()) | set(observations.REGISTRY)
     named |= {f for cls in observations.REGISTRY.values() for f in cls.fields}
@@ -44,12 +45,14 @@ def test_engine_names_no_policy_and_no_observation():
         assert not hits, f"{f.relative_to(ROOT)} names {hits}"
 
 
-def test_models_do_not_import_the_passes_run_after_the_prefill():
-    """The producers import the model (they run `extend`); the model imports only the recorders."""
-    for f in sorted((ROOT / "kvjax" / "models").glob("*.py")):
-        for n in ast.walk(ast.parse(f.read_text())):
-            if isinstance(n, ast.ImportFrom) and n.module:
-                assert n.module not in ("kvjax.observations.reconstruction", "kvjax.observations.lookahead"), f
+def test_models_and_recorders_do_not_import_the_passes_run_after_the_prefill():
+    """The producers (kvjax.passes) import the model (they run `extend`); the model and the recorders
+    (kvjax.observations) never import them."""
+    for part in ("models", "observations", "kernels", "engine"):
+        for f in sorted((ROOT / "kvjax" / part).rglob("*.py")):
+            for n in ast.walk(ast.parse(f.read_text())):
+                if isinstance(n, ast.ImportFrom) and n.module:
+                    assert not n.module.startswith("kvjax.passes"), f
 
 
 def test_forward_functions_are_short():

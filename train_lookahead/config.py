@@ -22,6 +22,7 @@ from typing import Any
 import yaml
 
 from kvjax.lookahead import LookaheadConfig
+from kvjax.training import OptimConfig
 
 SOURCE_KINDS = ("synthetic", "jsonl", "parquet", "hf")
 LONG_PROMPTS = ("skip", "error")
@@ -54,7 +55,7 @@ class ModelSection:
 
 @dataclasses.dataclass(frozen=True)
 class SourceSection:
-    """One prompt source. synthetic: `tasks` (names or suites of kvjax.eval.tasks) at `context_length`
+    """One prompt source. synthetic: `tasks` (names or suites of kvjax.data) at `context_length`
     tokens, `num_samples` in all, task by task in turn; jsonl / parquet: a local `path` whose rows hold
     "prompt" (text), "messages" (chat turns) or "tokens" (ids); hf: dataset `name` (+ `subset`,
     `split`) with the same fields, online only. `num_samples` None takes every row of a file."""
@@ -136,24 +137,11 @@ class TrainSection:
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimSection:
-    learning_rate: float = 2e-4
-    warmup_fraction: float = 0.03
-    final_fraction: float = 0.0  # end of the cosine, as a fraction of learning_rate
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    clip_norm: float = 1.0
+class OptimSection(OptimConfig):
+    """`kvjax.training.OptimConfig` (its fields, checks and optimizer) with policies.md §11.4's defaults."""
 
-    def __post_init__(self):
-        if not self.learning_rate > 0:
-            raise ValueError(f"optim.learning_rate must be > 0, got {self.learning_rate}")
-        if not 0 <= self.warmup_fraction < 1:
-            raise ValueError(f"optim.warmup_fraction must be in [0, 1), got {self.warmup_fraction}")
-        if not 0 <= self.final_fraction <= 1:
-            raise ValueError(f"optim.final_fraction must be in [0, 1], got {self.final_fraction}")
-        if not self.clip_norm > 0:
-            raise ValueError(f"optim.clip_norm must be > 0, got {self.clip_norm}")
+    learning_rate: float = 2e-4
+    final_fraction: float = 0.0  # end of the cosine, as a fraction of learning_rate
 
 
 @dataclasses.dataclass(frozen=True)

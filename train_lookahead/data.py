@@ -2,7 +2,7 @@
 
 Prompt sources are grain random-access sources of records {"id", "prompt" | "messages" | "tokens"}:
 
-- `SyntheticPrompts`: the project's synthetic long-context generators (kvjax.eval.tasks), with
+- `SyntheticPrompts`: the project's synthetic long-context generators (kvjax.data), with
   seeds offset by `SEED_OFFSET` so that no training prompt is an evaluation prompt;
 - `FilePrompts`: local JSONL or Parquet rows;
 - `HFPrompts`: a Hugging Face dataset (online; `datasets` is imported only when used).
@@ -23,9 +23,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from kvjax.eval.prompts import build_prompt
-from kvjax.eval.tasks import generate_task, resolve_tasks
-from kvjax.eval.tasks.base import encode
+from kvjax.data import generate, resolve_tasks
+from kvjax.data.base import encode
+from kvjax.data.prompts import build_prompt
 
 from train_lookahead.config import DataSection, SourceSection
 
@@ -35,10 +35,13 @@ SEED_OFFSET = 2 * 10**6
 MAX_PER_SEED = 10**6  # synthetic samples per task and source seed (seeds of different sources never meet)
 
 PROMPT_FIELDS = ("prompt", "messages", "tokens")
+# the axis of each training batch array that holds its rows (split over the "data" mesh axis by
+# kvjax.training's loop): target is [L, B, Hq, T], every other array [B, ...]
+ROW_AXES = {"target": 1}
 
 
 def synthetic_seed(source_seed: int, k: int) -> int:
-    """The kvjax.eval.tasks seed of the k-th training sample of a task in a source with `source_seed`."""
+    """The kvjax.data seed of the k-th training sample of a task in a source with `source_seed`."""
     if not 0 <= k < MAX_PER_SEED:
         raise ValueError(f"synthetic sample index {k} out of range [0, {MAX_PER_SEED})")
     return SEED_OFFSET + source_seed * MAX_PER_SEED + k
@@ -65,7 +68,7 @@ class SyntheticPrompts:
     def __getitem__(self, i: int) -> dict[str, Any]:
         task = self.tasks[i % len(self.tasks)]
         seed = synthetic_seed(self.source.seed, i // len(self.tasks))
-        (sample,) = generate_task(task, self.tokenizer, self.source.context_length, 1, seed=seed)
+        (sample,) = generate(task, self.tokenizer, self.source.context_length, 1, seed=seed)
         text = build_prompt(sample, self.tokenizer, query_aware=True).text
         return {"id": f"{task}/seed{seed}", "text": text}
 

@@ -18,13 +18,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from kvjax.lookahead import init_adapter
 from kvjax.models.config import ModelConfig
-from kvjax.models.loading import param_shapes
+from kvjax.models.loading import param_shapes, param_shardings
 from kvjax.models.model import Model
-from kvjax.sharding import param_shardings
+from kvjax.training import batch_shardings, build_step, init_state, make_optimizer
 
 from train_lookahead.config import RunConfig
+from train_lookahead.data import ROW_AXES
 from train_lookahead.loss import lookahead_loss
-from train_lookahead.train import batch_shardings, build_step, init_state, make_optimizer
 
 
 def model_config(run: RunConfig) -> ModelConfig:
@@ -46,10 +46,10 @@ def abstract_batch(run: RunConfig, cfg: ModelConfig, mesh: Mesh) -> dict[str, ja
     B, T, Y = run.train.batch_size, run.data.max_prompt_tokens, run.targets.max_response_tokens
     shapes = {"tokens": ((B, T), jnp.int32), "positions": ((B, T), jnp.int32)}
     if run.targets.mode == "stored":
-        shapes["target"] = ((cfg.num_layers, B, cfg.num_heads, T), jnp.float32)
+        shapes["target"] = ((cfg.num_global_layers, B, cfg.num_heads, T), jnp.float32)
     else:
         shapes.update(response=((B, Y), jnp.int32), response_positions=((B, Y), jnp.int32))
-    s = batch_shardings(mesh, tuple(shapes))
+    s = batch_shardings(mesh, tuple(shapes), ROW_AXES)
     return {k: jax.ShapeDtypeStruct(shape, dtype, sharding=s[k]) for k, (shape, dtype) in shapes.items()}
 
 
@@ -66,6 +66,7 @@ def lower_train_step(run: RunConfig, cfg: ModelConfig, mesh: Mesh, steps: int = 
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          jax.eval_shape(lambda t: init_state(t, tx), trainable))
     batch = abstract_batch(run, cfg, mesh)
-    step = build_step(lookahead_loss(cfg, la, run.train.remat), tx, mesh, param_shardings(cfg, mesh), tuple(batch))
+    step = build_step(lookahead_loss(cfg, la, run.train.remat), tx, mesh, param_shardings(cfg, mesh), tuple(batch),
+                      ROW_AXES)
     with jax.set_mesh(mesh):
         return step.trace(state, frozen, batch).lower()

@@ -87,7 +87,7 @@ def card(cfg: RunConfig, *, command: str, model_path: str, steps: int, records: 
 
 def _describe(s: Any) -> str:
     if s.kind == "synthetic":
-        return (f"synthetic (kvjax.eval.tasks {', '.join(s.tasks)}): {s.num_samples} prompts at {s.context_length} "
+        return (f"synthetic (kvjax.data {', '.join(s.tasks)}): {s.num_samples} prompts at {s.context_length} "
                 f"tokens, seed {s.seed} (offset from the eval's)")
     if s.kind == "hf":
         return f"Hugging Face dataset {s.name} ({s.subset or 'default'}, {s.split})"

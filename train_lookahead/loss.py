@@ -14,10 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.lookahead import LookaheadConfig, kl_loss, loss_fn, predicted_attention, response_attention
+from kvjax.lookahead import LookaheadConfig, kl_loss, loss_fn, predicted_attention, prompt_cache, response_attention
 from kvjax.models.config import ModelConfig
-
-from train_lookahead.targets import prefill
 
 
 def on_the_fly_loss(adapter_params: Any, model_params: Any, model_cfg: ModelConfig, config: LookaheadConfig,
@@ -25,7 +23,7 @@ def on_the_fly_loss(adapter_params: Any, model_params: Any, model_cfg: ModelConf
     """batch: tokens / positions [B, T], response / response_positions [B, Y] (-1 = pad)."""
     tokens, positions = batch["tokens"], batch["positions"]
     model_params = jax.lax.stop_gradient(model_params)
-    cache = jax.lax.stop_gradient(prefill(model_params, model_cfg, tokens, positions))
+    cache = jax.lax.stop_gradient(prompt_cache(model_params, model_cfg, tokens, positions))
     target = jax.lax.stop_gradient(response_attention(model_params, model_cfg, cache, batch["response"],
                                                       batch["response_positions"]))
     lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)

@@ -15,16 +15,17 @@ import jax
 from jax.sharding import Mesh
 
 import kvjax
-from kvjax.eval.engine import resolve_model
 from kvjax.lookahead import check_positions, init_adapter
-from kvjax.sharding import make_mesh, param_shardings
+from kvjax.models.loading import param_shardings
+from kvjax.models.model import resolve_model
+from kvjax.sharding import make_mesh
+from kvjax.training import read_log, train
 
 from train_lookahead.config import MeshSection, ModelSection, RunConfig
-from train_lookahead.data import train_dataset
+from train_lookahead.data import ROW_AXES, train_dataset
 from train_lookahead.export import export
 from train_lookahead.loss import lookahead_loss
 from train_lookahead.targets import TargetRecords, generate_targets
-from train_lookahead.train import read_log, train
 
 # environment variables that mean "this process is one of several hosts" (Cloud TPU pods, explicit setups)
 _MULTI_HOST_ENV = ("JAX_COORDINATOR_ADDRESS", "MEGASCALE_COORDINATOR_ADDRESS")
@@ -71,6 +72,9 @@ def run(cfg: RunConfig, workdir: str | os.PathLike, *, command: str = "", progre
     workdir = pathlib.Path(workdir)
     _check_workdir_config(workdir, cfg)
     mesh = build_mesh(cfg.mesh)
+    if cfg.train.batch_size % mesh.shape["data"]:
+        raise ValueError(f"train.batch_size={cfg.train.batch_size} must be divisible by the mesh's data axis "
+                         f"({mesh.shape['data']}); set mesh.data or train.batch_size")
     model = load_frozen(cfg.model, mesh)
     # the padded prompt plus the lookahead tokens must fit the model's positions: fail before the targets
     check_positions(model.config, cfg.data.max_prompt_tokens, cfg.lookahead)
@@ -86,9 +90,10 @@ def run(cfg: RunConfig, workdir: str | os.PathLike, *, command: str = "", progre
                          process_count=jax.process_count())
     adapter = init_adapter(model, cfg.lookahead, jax.random.PRNGKey(cfg.train.seed))
     trained, done = train(lookahead_loss(model.config, cfg.lookahead, cfg.train.remat), adapter.params, model.params,
-                          param_shardings(model.config, mesh), data, steps=steps, optim=cfg.optim, mesh=mesh,
-                          workdir=workdir, checkpoint_every=cfg.train.checkpoint_every,
-                          log_every=cfg.train.log_every, on_step=on_step, progress=progress)
+                          data, steps=steps, optim=cfg.optim, workdir=workdir, mesh=mesh,
+                          frozen_shardings=param_shardings(model.config, mesh), row_axes=ROW_AXES,
+                          checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every,
+                          on_step=on_step, progress=progress)
     out = workdir / "export"
     if jax.process_index() == 0:
         export(out, adapter.replace(params=trained), cfg, rows=read_log(workdir), command=command,

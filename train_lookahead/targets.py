@@ -8,7 +8,8 @@ cache is prefilled once; the response runs against it as a continuation in chunk
 (kvjax.lookahead.response_attention), so no [T+Y]^2 matrix exists.
 
 A chunk folder holds tokens [n, Tc] int32 (right-padded with 0), lengths [n], target
-[n, L, Hq, Tc] (zero past each row's length), response [n, Y] and response_lengths [n], ids.json.
+[n, L, Hq, Tc] (L = the model's global layers; zero past each row's length), response [n, Y] and
+response_lengths [n], ids.json.
 """
 
 from __future__ import annotations
@@ -23,15 +24,12 @@ import shutil
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 import kvjax
-from kvjax.cache import KVCache
-from kvjax.lookahead import response_attention
-from kvjax.models import extend
+from kvjax.lookahead import prompt_cache, response_attention
 from kvjax.models.config import ModelConfig
 
 from train_lookahead.config import DataSection, TargetsSection
@@ -43,19 +41,11 @@ MANIFEST = "manifest.json"
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _targets(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, response: jax.Array,
              response_positions: jax.Array) -> jax.Array:
-    """s_GT [L, B, Hq, T] for prompts tokens/positions [B, T] and responses [B, Y] (-1 = pad)."""
+    """s_GT [L, B, Hq, T] (L = cfg.num_global_layers) for prompts tokens/positions [B, T] and responses
+    [B, Y] (-1 = pad)."""
     B, T = tokens.shape
-    return response_attention(params, cfg, prefill(params, cfg, tokens, positions), response,
+    return response_attention(params, cfg, prompt_cache(params, cfg, tokens, positions), response,
                               response_positions)[..., :T]
-
-
-def prefill(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array) -> KVCache:
-    """The frozen prompt cache of right-padded tokens/positions [B, T] (slot i = token i), capacity T."""
-    B, T = tokens.shape
-    cache = KVCache.init(cfg.num_layers, B, cfg.num_kv_heads, T, cfg.head_dim, cfg.jnp_dtype)
-    _, cache, _ = extend(params, cfg, cache, tokens, positions, fresh=True,
-                         logit_index=jnp.zeros((B, 1), jnp.int32))  # no [B, T, V] logits
-    return cache
 
 
 def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_tokens: int,

@@ -10,8 +10,8 @@ KV heads (and per layer).
 import numpy as np
 
 import kvjax
+from kvjax.data.prompts import build_prompt, encode_prompt
 from kvjax.engine import compress
-from kvjax.eval.prompts import build_prompt, encode_prompt
 from kvjax.eval.tasks import generate_task
 
 

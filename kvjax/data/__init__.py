@@ -13,7 +13,7 @@ Suites: ``default`` (the 8 RULER needle tasks and vt: the bundled model's), ``ru
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from kvjax.data.base import Options, Sample, TaskSkipped, TokenizerLike, check_length, check_num_samples
@@ -64,6 +64,29 @@ def suite_tasks(suite: str) -> list[str]:
     return list(SUITES[suite])
 
 
+def resolve_tasks(names: Sequence[str], tasks: Collection[str] | None = None,
+                  suites: Mapping[str, Sequence[str]] | None = None) -> list[str]:
+    """Expands suite names, keeps order, drops repeats; ValueError listing the valid names otherwise.
+
+    tasks / suites: the task names and suites accepted (default: this package's ``GENERATORS`` and
+    ``SUITES``; kvjax.eval passes its larger registry).
+    """
+    tasks = GENERATORS if tasks is None else tasks
+    suites = SUITES if suites is None else suites
+    out: list[str] = []
+    unknown = []
+    for n in names:
+        for t in suites.get(n, [n]):
+            if t not in tasks:
+                unknown.append(t)
+            elif t not in out:
+                out.append(t)
+    if unknown:
+        raise ValueError(f"unknown task(s) {', '.join(map(repr, unknown))}. Valid tasks: {', '.join(tasks)}; "
+                         f"suites: {', '.join(suites)}")
+    return out
+
+
 def run_builder(builder: Callable[..., list[Sample]], name: str, tokenizer: TokenizerLike | None,
                 context_length: int, num_samples: int, *, needs_tokenizer: bool = True, seed: int = 42,
                 overhead: int = 0, data: dict[str, str] | None = None, words: str = "builtin",
@@ -94,4 +117,4 @@ def generate(name: str, tokenizer: TokenizerLike, context_length: int, num_sampl
 
 
 __all__ = ["GENERATORS", "RULER_TASKS", "SUITES", "Generator", "Options", "Sample", "TaskSkipped",
-           "TokenizerLike", "generate", "run_builder", "suite_tasks"]
+           "TokenizerLike", "generate", "resolve_tasks", "run_builder", "suite_tasks"]

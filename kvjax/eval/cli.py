@@ -365,7 +365,7 @@ def compilation_cache_setting(option: str | None) -> str | None:
 def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser, args: argparse.Namespace, *,
          generate_fn, logits_fn, tokenizer) -> int:
     from kvjax.eval import runner
-    from kvjax.eval.prompts import chat_overhead
+    from kvjax.data.prompts import chat_overhead
     from kvjax.eval.tasks import TASKS, TaskSkipped, generate_task
 
     if generate_fn is None:

@@ -9,21 +9,13 @@ import pathlib
 from typing import Any
 
 from kvjax import engine
+from kvjax.data.prompts import build_prompt, encode_prompt
 from kvjax.engine.api import check_cache_layout
-from kvjax.eval.prompts import build_prompt, encode_prompt
 from kvjax.models import load_model
 from kvjax.models.gguf import GGUFFile, config_dict, is_gguf
-from kvjax.models.model import BUNDLED, BUNDLED_MODEL_DIR, resolve_checkpoint
+from kvjax.models.model import BUNDLED, BUNDLED_MODEL_DIR, resolve_model
 
-__all__ = ["BUNDLED_MODEL_DIR", "load", "make_generate_fn", "make_logits_fn", "resolve_model"]
-
-
-def resolve_model(spec: str | None) -> str:
-    """``bundled`` (or None) -> the model shipped in the package; a ``.gguf`` file or a folder as is;
-    anything else is a Hub id (see `kvjax.models.model.resolve_checkpoint`)."""
-    if spec in (None, BUNDLED):
-        return str(resolve_checkpoint(BUNDLED))
-    return str(spec)
+__all__ = ["BUNDLED_MODEL_DIR", "load", "make_generate_fn", "make_logits_fn"]
 
 
 def model_positions(spec: str | None) -> tuple[int | None, str]:

@@ -2,7 +2,8 @@
 
 - `LookaheadConfig`; `Adapter` (params pytree + config + model dimensions); `init_adapter`,
   `save`, `load` (safetensors + JSON; "bundled" is the bundled model's adapter).
-- `predicted_attention` (s̃), `response_attention` (s_GT), `kl_loss`, `loss_fn`: the training math.
+- `prompt_cache` (the frozen prompt prefill), `predicted_attention` (s̃), `response_attention` (s_GT),
+  `kl_loss`, `loss_fn`: the training math (train_lookahead is the pipeline around it).
 
 The model knows nothing of these modules beyond the row-masked adapter hook of `extend`.
 """
@@ -13,10 +14,11 @@ from kvjax.lookahead.attention import (
     check_positions,
     lookahead_mass,
     predicted_attention,
+    prompt_cache,
     response_attention,
 )
 from kvjax.lookahead.config import PROJECTIONS, LookaheadConfig
-from kvjax.lookahead.loss import kl_loss, loss_fn, prompt_cache
+from kvjax.lookahead.loss import kl_loss, loss_fn
 
 __all__ = [
     "BUNDLED",

@@ -1,8 +1,10 @@
 """LookaheadKV's attention quantities (policies.md §11.1, §11.3), computed with the model's `extend`.
 
-Shapes: L layers, B rows, Hq query heads, C cache slots, n lookahead tokens, Y response tokens.
-The prompt cache is a frozen prefill's `KVCache` ([L,B,Hkv,C,D]); row b's prompt has `lengths[b]`
-tokens at positions 0 .. lengths[b]-1.
+Shapes: L global layers (`cfg.num_global_layers`: every layer of a Llama-family model; Gemma 2 / 3's
+sliding-window layers need no eviction, and observations cover the global layers only), B rows, Hq
+query heads, C cache slots, n lookahead tokens, Y response tokens. The prompt cache is a frozen
+prefill's `KVCache` ([L,B,Hkv,C,D], plus rolling buffers for sliding-window layers: `prompt_cache`);
+row b's prompt has `lengths[b]` tokens at positions 0 .. lengths[b]-1.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from kvjax.cache import KVCache
 from kvjax.lookahead.config import LookaheadConfig
 from kvjax.models.config import ModelConfig
 from kvjax.models.forward import extend
+from kvjax.models.local import init_cache
 from kvjax.observations import ObservationSpec
 
 RESPONSE_CHUNK = 128  # response tokens fed per step in `response_attention`
@@ -30,6 +33,18 @@ def check_positions(cfg: ModelConfig, prompt_tokens: int, config: LookaheadConfi
             f"positions, more than the model allows (max_position_embeddings={cfg.max_position_embeddings})")
 
 
+def prompt_cache(model_params: dict[str, Any], model_cfg: ModelConfig, tokens: jax.Array,
+                 positions: jax.Array) -> KVCache:
+    """The frozen prefill's cache of right-padded prompts tokens/positions [B,T] (slot i = token i):
+    capacity T on each global layer ([L,B,Hkv,T,D]), and for a model with sliding-window layers
+    their rolling buffers (`kvjax.models.local.init_cache`)."""
+    B, T = tokens.shape
+    cache = init_cache(model_cfg, B, T)
+    _, cache, _ = extend(model_params, model_cfg, cache, tokens, positions, fresh=True,
+                         logit_index=jnp.zeros((B, 1), jnp.int32))  # no [B, T, V] logits
+    return cache
+
+
 def adapter_hook(adapter_params: dict[str, Any], config: LookaheadConfig, mask: jax.Array) -> dict[str, Any]:
     """The row-masked LoRA hook `extend` takes: the factors, the row mask [B,n] and alpha / rank."""
     lora = {p: adapter_params["lora"][p] for p in config.projections}
@@ -37,11 +52,13 @@ def adapter_hook(adapter_params: dict[str, Any], config: LookaheadConfig, mask: 
 
 
 def lookahead_mass(model_params: dict[str, Any], model_cfg: ModelConfig, adapter_params: dict[str, Any],
-                   config: LookaheadConfig, cache: KVCache, lengths: jax.Array, *, remat: bool = False) -> jax.Array:
+                   config: LookaheadConfig, cache: KVCache, lengths: jax.Array, *, remat: bool = False,
+                   differentiable: bool = False) -> jax.Array:
     """Runs the n learned tokens (LoRA on their rows) at positions lengths .. lengths+n-1 against
     `cache` without storing them; returns their attention mass per query head over the cache slots,
     summed over the n tokens: [L,B,Hq,C] float32 (the softmax includes the tokens' own causal keys).
-    remat: rematerialise each layer in the backward pass (long prompts in training)."""
+    remat: rematerialise each layer in the backward pass (long prompts in training).
+    differentiable: attention in every layer is reverse-differentiable (training; `extend`'s flag)."""
     B = cache.k.shape[1]
     n = config.n_tokens
     if not isinstance(lengths, jax.core.Tracer):
@@ -51,7 +68,7 @@ def lookahead_mass(model_params: dict[str, Any], model_cfg: ModelConfig, adapter
     hook = adapter_hook(adapter_params, config, jnp.ones((B, n), bool))
     _, _, obs = extend(model_params, model_cfg, cache, None, positions, fresh=False, commit=False,
                        observe=ObservationSpec(query_mass=True), inputs_embeds=embeds, adapter=hook,
-                       logit_index=jnp.zeros((B, 1), jnp.int32), remat=remat)
+                       logit_index=jnp.zeros((B, 1), jnp.int32), remat=remat, differentiable=differentiable)
     return obs.query_mass
 
 
@@ -60,8 +77,10 @@ def predicted_attention(model_params: dict[str, Any], model_cfg: ModelConfig, ad
                         remat: bool = False) -> jax.Array:
     """s̃ (§11.3): per query head, the mean over the n lookahead queries of their attention
     probabilities over the cache slots (softmax over prompt + causal lookahead keys, then restricted
-    to the prompt slots; empty slots 0). [L,B,Hq,C] float32, differentiable w.r.t. adapter_params."""
-    mass = lookahead_mass(model_params, model_cfg, adapter_params, config, cache, lengths, remat=remat)
+    to the prompt slots; empty slots 0). [L,B,Hq,C] float32, differentiable w.r.t. adapter_params
+    (through every layer, sliding-window layers included)."""
+    mass = lookahead_mass(model_params, model_cfg, adapter_params, config, cache, lengths, remat=remat,
+                          differentiable=True)
     return mass / config.n_tokens
 
 
@@ -69,8 +88,8 @@ def response_attention(model_params: dict[str, Any], model_cfg: ModelConfig, cac
                        response_tokens: jax.Array, response_positions: jax.Array, *,
                        chunk: int = RESPONSE_CHUNK) -> jax.Array:
     """s_GT (§11.1): per query head, the mean over each row's real response tokens of their attention
-    probabilities over the prompt slots of `cache` ([L,B,Hq,C] float32; 0 on empty slots, and for a
-    row without response tokens).
+    probabilities over the prompt slots of `cache` ([L,B,Hq,C] float32 over the L = num_global_layers
+    layers the cache holds; 0 on empty slots, and for a row without response tokens).
 
     response_tokens [B,Y] int32, response_positions [B,Y] int32 (-1 = padding; a real response
     token continues the prompt, at lengths[b] + t). The response runs as a continuation against the
@@ -95,7 +114,7 @@ def response_attention(model_params: dict[str, Any], model_cfg: ModelConfig, cac
                                observe=ObservationSpec(query_mass=True), logit_index=jnp.zeros((B, 1), jnp.int32))
         return (grown, acc + obs.query_mass[..., :C]), None
 
-    acc0 = jnp.zeros((model_cfg.num_layers, B, model_cfg.num_heads, C), jnp.float32)
+    acc0 = jnp.zeros((model_cfg.num_global_layers, B, model_cfg.num_heads, C), jnp.float32)
     (_, acc), _ = jax.lax.scan(one, (grown, acc0), (tok, pos))
     count = jnp.sum(response_positions >= 0, axis=-1).astype(jnp.float32)  # [B]
     out = acc / jnp.maximum(count, 1.0)[None, :, None, None]

@@ -7,11 +7,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from kvjax.cache import KVCache
-from kvjax.lookahead.attention import check_positions, predicted_attention
+from kvjax.lookahead.attention import check_positions, predicted_attention, prompt_cache
 from kvjax.lookahead.config import LookaheadConfig
 from kvjax.models.config import ModelConfig
-from kvjax.models.forward import extend
 
 LOG_FLOOR = 1e-10  # predicted probabilities are clamped here inside the log
 
@@ -37,23 +35,13 @@ def kl_loss(target: jax.Array, predicted: jax.Array, prompt_mask: jax.Array) -> 
     return jnp.sum(jnp.where(rows, per_row, 0.0)) / jnp.maximum(jnp.sum(rows), 1)
 
 
-def prompt_cache(model_params: dict[str, Any], model_cfg: ModelConfig, tokens: jax.Array,
-                 positions: jax.Array) -> KVCache:
-    """The frozen prefill's cache of right-padded prompts tokens/positions [B,T] (slot i = token i)."""
-    B, T = tokens.shape
-    cache = KVCache.init(model_cfg.num_layers, B, model_cfg.num_kv_heads, T, model_cfg.head_dim, model_cfg.jnp_dtype)
-    _, cache, _ = extend(model_params, model_cfg, cache, tokens, positions, fresh=True,
-                         logit_index=jnp.zeros((B, 1), jnp.int32))
-    return cache
-
-
 def loss_fn(adapter_params: dict[str, Any], model_params: dict[str, Any], model_cfg: ModelConfig,
             config: LookaheadConfig, batch: dict[str, jax.Array], *, remat: bool = False) -> jax.Array:
     """The training loss of one batch: frozen prompt prefill (no gradient), the lookahead rows
     (gradient w.r.t. adapter_params only), then `kl_loss` against batch["target"].
 
     batch: tokens [B,T] int32, positions [B,T] int32 (right-padded, -1 = pad), target [L,B,Hq,T]
-    float32 (`response_attention` over the same prompt cache). T + n_tokens must fit the model's
+    float32 over the L = num_global_layers layers (`response_attention` over the same prompt cache). T + n_tokens must fit the model's
     positions (checked on the padded width T). remat: rematerialise the lookahead pass's layers
     in the backward pass (saves memory on long prompts).
     """

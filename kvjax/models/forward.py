@@ -51,6 +51,7 @@ class Pass:
     commit: bool
     relative: bool
     has_cache: bool
+    differentiable: bool
 
 
 @struct.dataclass
@@ -111,7 +112,7 @@ def global_attention(p: Pass, s: Shared, cache: Any, l: Any, slots: Any, view: L
         if p.relative:
             keys, q = _relative(p, keys, view.q_raw, slots)
     attn = attention(q, keys, s.call.positions, scale=p.cfg.attn_scale, softcap=p.cfg.attn_logit_softcapping,
-                     returns=p.spec.needs(s.call), own_keys=p.fresh, differentiable=not p.has_cache,
+                     returns=p.spec.needs(s.call), own_keys=p.fresh, differentiable=p.differentiable,
                      index_causal=not p.has_cache and not p.spec)
     return attn, p.spec.record(view, attn)
 
@@ -124,7 +125,7 @@ def local_attention(p: Pass, s: Shared, cache: Any, li: Any, q: jax.Array, k: ja
         buf = cache.local
         keys = _joined(Keys(k=buf.k[li], v=buf.v[li], pos=jnp.where(buf.valid[li], buf.pos[li], -1)), keys)
     return attention(q, keys, s.call.positions, scale=p.cfg.attn_scale, window=p.cfg.sliding_window,
-                     softcap=p.cfg.attn_logit_softcapping, own_keys=p.fresh, differentiable=not p.has_cache).out
+                     softcap=p.cfg.attn_logit_softcapping, own_keys=p.fresh, differentiable=p.differentiable).out
 
 
 def _cond(pred: Any, if_true: Any, if_false: Any) -> Any:
@@ -234,8 +235,8 @@ def check_call(cfg: ModelConfig, cache: Any, fresh: bool, commit: bool, rope_mod
 def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | None, positions: jax.Array, *,
            fresh: bool, observe: ObservationSpec = ObservationSpec(), logit_index: jax.Array | None = None,
            slots: jax.Array | None = None, remat: bool = False, rope_mode: str = "original",
-           inputs_embeds: jax.Array | None = None, adapter: dict[str, Any] | None = None, commit: bool = True
-           ) -> tuple[jax.Array, Any, Observations]:
+           inputs_embeds: jax.Array | None = None, adapter: dict[str, Any] | None = None, commit: bool = True,
+           differentiable: bool = False) -> tuple[jax.Array, Any, Observations]:
     """Runs `n` new tokens through the model, writing their keys/values into `cache`.
 
     tokens [B,n] int32; positions [B,n] int32 absolute positions (-1 = padding, never attended or kept).
@@ -258,6 +259,8 @@ def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | Non
       without it (bit-identical).
     commit: False (with fresh=False, rope_mode "original") attends the new tokens to the cache plus their
       own keys (causal by position) without writing them: the returned cache is `cache` itself.
+    differentiable: every layer's attention is reverse-differentiable (a pass against a cache that is
+      trained through, e.g. LookaheadKV's tokens); calls without a cache always are.
     Returns logits [B,n or k,V] float32, the updated cache, and the `Observations` asked for (their
     shapes: `kvjax.observations`; L counts the global layers, C the cache slots).
     Real tokens of a row must have distinct positions (contiguous, as the engine feeds them).
@@ -275,7 +278,8 @@ def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | Non
     if cfg.local_layer_ids:
         shared = shared.replace(**dict(zip(("local_cos", "local_sin"), rope_tables(
             jnp.maximum(positions, 0), local_inverse_frequencies(cfg), cfg.jnp_dtype))))
-    p = Pass(cfg, observe, fresh, commit, rope_mode == "cache_relative", cache is not None)
+    p = Pass(cfg, observe, fresh, commit, rope_mode == "cache_relative", cache is not None,
+             differentiable or cache is None)
     step = functools.partial(layer, p, shared)
     per_layer = (cache is not None and not cache.stacked) or isinstance(params["layers"], (tuple, list))
     carry, obs = run_layers(jax.checkpoint(step) if remat else step, LayerCarry(h=h, cache=cache),

@@ -11,9 +11,11 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh
 from safetensors import safe_open
 
 from kvjax.models.config import ModelConfig
+from kvjax.sharding import logical_sharding
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -83,6 +85,47 @@ def param_shapes(cfg: ModelConfig) -> dict[str, Any]:
     if not cfg.tie_embeddings:
         shapes["lm_head"] = (E, cfg.vocab_size)
     return shapes
+
+
+# logical axes of every param (kvjax layout, layers stacked on a leading "layers" axis); kvjax.sharding's
+# rules map them to mesh axes
+_LAYER_AXES = {
+    "input_norm": ("layers", "embed"),
+    "post_norm": ("layers", "embed"),
+    "post_attn_norm": ("layers", "embed"),
+    "post_mlp_norm": ("layers", "embed"),
+    "q": ("layers", "embed", "heads"),
+    "k": ("layers", "embed", "kv_heads"),
+    "v": ("layers", "embed", "kv_heads"),
+    "o": ("layers", "heads", "embed"),
+    "q_bias": ("layers", "heads"),
+    "k_bias": ("layers", "kv_heads"),
+    "v_bias": ("layers", "kv_heads"),
+    "o_bias": ("layers", "embed"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "gate": ("layers", "embed", "mlp"),
+    "up": ("layers", "embed", "mlp"),
+    "down": ("layers", "mlp", "embed"),
+    "gate_bias": ("layers", "mlp"),
+    "up_bias": ("layers", "mlp"),
+    "down_bias": ("layers", "embed"),
+}
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh) -> dict[str, Any]:
+    """The `NamedSharding` of every param on `mesh` (the pytree of `param_shapes`): each param's logical
+    axes mapped by kvjax.sharding's rules (heads, KV heads, MLP and vocabulary over "model")."""
+    shapes = param_shapes(cfg)
+    units = {"heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads}
+    out = {
+        "embed": logical_sharding(("vocab", "embed"), shapes["embed"], mesh),
+        "final_norm": logical_sharding(("embed",), shapes["final_norm"], mesh),
+        "layers": {k: logical_sharding(_LAYER_AXES[k], s, mesh, units) for k, s in shapes["layers"].items()},
+    }
+    if "lm_head" in shapes:
+        out["lm_head"] = logical_sharding(("embed", "vocab"), shapes["lm_head"], mesh)
+    return out
 
 
 def hf_name(key: str, layer: int | None = None, cfg: ModelConfig | None = None) -> str:

@@ -11,8 +11,7 @@ import jax
 
 from kvjax.models.config import SUPPORTED_DTYPES, ModelConfig
 from kvjax.models.gguf import is_gguf, load_gguf
-from kvjax.models.loading import load_params, to_device
-from kvjax.sharding import param_shardings
+from kvjax.models.loading import load_params, param_shardings, to_device
 from kvjax.tokenizer import load_tokenizer as _load_tokenizer
 
 BUNDLED = "bundled"
@@ -69,6 +68,14 @@ def resolve_checkpoint(name_or_path: str | os.PathLike, *, revision: str | None 
                 f"model {name!r} is not a local folder, is not in the local Hub cache, and could not be "
                 f"downloaded ({type(online_error).__name__}: {online_error})"
             ) from None
+
+
+def resolve_model(spec: str | None) -> str:
+    """``bundled`` (or None) -> the model shipped in the package; a ``.gguf`` file or a folder as is;
+    anything else is a Hub id (see `resolve_checkpoint`)."""
+    if spec in (None, BUNDLED):
+        return str(resolve_checkpoint(BUNDLED))
+    return str(spec)
 
 
 def load_tokenizer(folder: pathlib.Path) -> Any:

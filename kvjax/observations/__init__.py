@@ -3,8 +3,8 @@
 One module per observation: its keyword, fields and shapes, what it needs from attention, and the code
 that records it (`base.Observation`). `ObservationSpec` (what to record) and `Observations` (what was
 recorded) loop over them generically (`spec`). The lines below register the observations the forward
-records; producers, passes the engine runs after the prefill, register when imported
-(`reconstruction.Reconstruction`: KVzip; `lookahead.LookaheadTokens`: LookaheadKV) and import the model.
+records; producers, passes the engine runs after the prefill, live above the model in `kvjax.passes`
+(KVzip's reconstruction, LookaheadKV's tokens) and register when their policy imports them.
 """
 
 from kvjax.observations.base import REGISTRY, CallView, LayerView, Observation

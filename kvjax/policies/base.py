@@ -361,15 +361,41 @@ def row_budgets(lengths: Sequence[int], budget: int | None, ratio: float | None,
     return tuple(kvpress_n_kept(t, ratio, compat) for t in lengths)
 
 
-def check_protected(name: str, budgets: Sequence[int], lengths: Sequence[int], protect: int, *, ratio: bool) -> None:
-    """Paper presets: a budget must exceed the protected tokens (policies.md §1.6)."""
+def shortest_prompt(protect: int, ratio: float, compat: str = "0.5.4") -> int:
+    """The fewest prompt tokens T whose kvpress budget int(T * (1 - ratio)) exceeds `protect` (0 <= ratio < 1)."""
+    n = max(protect + 1, int((protect + 1) / (1 - ratio)) - 2)
+    while n > protect + 1 and kvpress_n_kept(n - 1, ratio, compat) > protect:
+        n -= 1
+    while kvpress_n_kept(n, ratio, compat) <= protect:
+        n += 1
+    return n
+
+
+def check_protected(name: str, budgets: Sequence[int], lengths: Sequence[int], protect: int, *,
+                    ratio: float | None, compat: str = "0.5.4") -> None:
+    """Paper presets: a budget must exceed the protected tokens (policies.md §1.6). `ratio`: the
+    compression_ratio the budgets come from (None: an absolute budget); `compat`: its kvpress rule."""
     for b, (c, t) in enumerate(zip(budgets, lengths)):
-        if c <= protect and (not ratio or c < t):
-            what = f"budget={c}" if not ratio else f"row {b}: the ratio leaves {c} of {t} tokens, which"
+        if c > protect or (ratio is not None and c >= t):
+            continue
+        if ratio is None:
             raise ValueError(
-                f"{name}: {what} must exceed the {protect} protected tokens (window/sinks); "
-                "raise the budget or use the *_kvpress preset, which keeps the most recent protected tokens"
+                f"{name}: budget={c} must exceed the {protect} protected tokens (window/sinks); pass "
+                f"budget > {protect}, or use the *_kvpress preset, which keeps the most recent protected tokens"
             )
+        need = (f"at compression_ratio={ratio} a prompt needs at least {shortest_prompt(protect, ratio, compat)} "
+                f"tokens (int(T*(1-r)) > {protect})")
+        if t <= protect:  # nothing but protected tokens (kvpress presets: windows as long or longer)
+            raise ValueError(
+                f"{name}: row {b} has {t} tokens, not more than its {protect} protected tokens (window/sinks), so "
+                f"this preset cannot compress it: {need}; pass longer prompts, or use a policy without protected "
+                "tokens (e.g. knorm_kvpress)"
+            )
+        raise ValueError(
+            f"{name}: row {b}: compression_ratio={ratio} leaves {c} of {t} tokens, which must exceed the {protect} "
+            f"protected tokens (window/sinks): {need}; lower compression_ratio, pass longer prompts, or use the "
+            "*_kvpress preset, which keeps the most recent protected tokens"
+        )
 
 
 # ----------------------------------------------------------------------------- selection

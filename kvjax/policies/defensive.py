@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.kernels._common import masked_softmax
+from kvjax.kernels import masked_softmax
 from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.allocators import Allocator, Global
 from kvjax.policies.base import (

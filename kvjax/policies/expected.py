@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.kernels._common import masked_softmax
+from kvjax.kernels import masked_softmax
 from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.base import Plan, Requirements, as_i32, check_bool, check_float, check_int
 from kvjax.policies.prefill import PrefillPolicy

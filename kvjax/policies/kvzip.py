@@ -2,8 +2,8 @@
 authors' code snu-mllab/KVzip, kvpress KVzipPress).
 
 The score of a prompt key is its max attention from the queries of a repeat-the-context pass
-(`Reconstruction` observation, recorded by the engine's prefill chunk by chunk; see
-kvjax/engine/reconstruct.py). The first n_sink tokens are protected (kvpress gives them score 1).
+(the `Reconstruction` observation, a pass the engine runs after the prefill, chunk by chunk; see
+kvjax/passes/reconstruction.py). The first n_sink tokens are protected (kvpress gives them score 1).
 Budgets are shared by all layers and KV heads (layerwise=False, the default: kvpress prunes
 int(L Hkv T r) entries over the whole cache) or by the heads of each layer (layerwise=True).
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from kvjax.cache import KVCache
 from kvjax.observations import Observations, ObservationSpec
-from kvjax.observations.reconstruction import Reconstruction
+from kvjax.passes.reconstruction import Reconstruction
 from kvjax.policies.allocators import Allocator, Global
 from kvjax.policies.base import Plan, Requirements, check_bool, check_int
 from kvjax.policies.prefill import PrefillPolicy

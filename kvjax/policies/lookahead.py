@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from kvjax.cache import KVCache
 from kvjax.lookahead import Adapter, LookaheadConfig, load
 from kvjax.observations import Observations, ObservationSpec
-from kvjax.observations.lookahead import LookaheadTokens
+from kvjax.passes.lookahead import LookaheadTokens
 from kvjax.policies.base import Plan, Requirements, as_i32, window_protected
 from kvjax.policies.prefill import PrefillPolicy
 from kvjax.policies.scoring import Scored, group_reduce_fn, pool1d

@@ -77,7 +77,8 @@ class PrefillPolicy(Policy):
         protect = self.protected_count()
         if self.rule == "paper":
             budgets = req.row_budgets(self.kvpress_compat)
-            check_protected(type(self).__name__, budgets, req.lengths, protect, ratio=req.ratio is not None)
+            check_protected(type(self).__name__, budgets, req.lengths, protect, ratio=req.ratio,
+                            compat=self.kvpress_compat)
         return self.budget_allocator().allocate(
             req.lengths,
             req.num_layers,

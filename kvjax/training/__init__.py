@@ -1,5 +1,21 @@
-"""Training: a generic optax loop with Orbax resume (used for the bundled model and LookaheadKV)."""
+"""Training: the one optax loop of kvjax (`loop`: a sharded jitted step, Orbax checkpoints, exact resume).
 
-from kvjax.training.loop import OptimConfig, make_optimizer, train
+Its entry points are the bundled model's trainer (`kvjax.training.bundled`, on one device) and
+LookaheadKV's pipeline (`train_lookahead`, on a ("data", "model") mesh with grain input), which
+imports this package; nothing here imports `train_lookahead`.
+"""
 
-__all__ = ["OptimConfig", "make_optimizer", "train"]
+from kvjax.training.loop import (
+    OptimConfig,
+    batch_shardings,
+    build_step,
+    init_state,
+    learning_rate,
+    make_optimizer,
+    read_log,
+    train,
+    warmup_steps,
+)
+
+__all__ = ["OptimConfig", "batch_shardings", "build_step", "init_state", "learning_rate", "make_optimizer",
+           "read_log", "train", "warmup_steps"]

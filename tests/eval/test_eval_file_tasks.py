@@ -6,13 +6,13 @@ import re
 import numpy as np
 import pytest
 
-from kvjax.eval.prompts import chat_overhead
+from kvjax.data.base import TaskSkipped
+from kvjax.data.niah_grid import KEY_PHRASE
+from kvjax.data.prompts import chat_overhead
+from kvjax.data.templates import NIAH_GRID_NEEDLE
 from kvjax.eval.tasks import generate_task
-from kvjax.eval.tasks.base import TaskSkipped
 from kvjax.eval.tasks.longbench import PROMPTS, TASKS as LB_TASKS, split_template
 from kvjax.eval.tasks.math import gsm8k_gold
-from kvjax.eval.tasks.niah_grid import KEY_PHRASE
-from kvjax.eval.tasks.templates import NIAH_GRID_NEEDLE
 
 
 def _squad(tmp_path):

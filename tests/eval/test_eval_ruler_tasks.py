@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from kvjax.eval.prompts import build_prompt, chat_overhead
+from kvjax.data.base import TaskSkipped, fit_units
+from kvjax.data.prompts import build_prompt, chat_overhead
 from kvjax.eval.tasks import TASKS, generate_task, resolve_tasks, task_names
-from kvjax.eval.tasks.base import TaskSkipped, fit_units
 
 OFFLINE = [*[t for t in task_names("ruler") if t.startswith("niah")], "vt", "cwe", "fwe", "passkey"]
 NEEDLE = re.compile(r"One of the special magic (numbers|uuids|words) for (\S+) is: (\S+)\.")
@@ -176,7 +176,7 @@ def test_registry_and_suites():
 @pytest.mark.parametrize("task", [*OFFLINE, "niah_grid"])
 def test_canonical_completion_scores_full_marks(tok, task):
     from kvjax.eval.metrics import score_prediction
-    from kvjax.eval.tasks.targets import completion
+    from kvjax.data.targets import completion
 
     for s in generate_task(task, tok, 1024, 2, overhead=chat_overhead(tok), **(
             {"lengths": [512], "depths": [50]} if task == "niah_grid" else {})):

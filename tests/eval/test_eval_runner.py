@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from kvjax.eval.prompts import build_prompt, chat_overhead, encode_prompt
+from kvjax.data.prompts import build_prompt, chat_overhead, encode_prompt
 from kvjax.eval.report import markdown_table, niah_matrices, summarize, wide_table, write_reports
 from kvjax.eval.runner import ResultStore, Setting, make_settings, run
 

@@ -5,13 +5,13 @@ import pathlib
 import pytest
 from tokenizers import Tokenizer
 
-from kvjax.eval.prompts import build_prompt, chat_overhead
+from kvjax.data.prompts import build_prompt, chat_overhead
+from kvjax.data.prose import prose_sentences, prose_words
+from kvjax.data.words import ADJECTIVES, NOUNS, VERBS
 from kvjax.eval.tasks import generate_task, task_names
 from kvjax.models.model import load_tokenizer as model_loader
 from kvjax.tokenizer import TOKENIZER_DIR, load_tokenizer
 from kvjax.tokenizer.build import multi_token_words
-from kvjax.tokenizer.prose import prose_sentences, prose_words
-from kvjax.tokenizer.words import ADJECTIVES, NOUNS, VERBS
 from kvjax.training import bundled
 
 

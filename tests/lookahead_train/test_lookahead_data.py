@@ -7,10 +7,10 @@ import sys
 import numpy as np
 import pytest
 
+from kvjax.data.base import encode, sample_rng
+from kvjax.data.prompts import build_prompt
 from kvjax.eval.engine import BUNDLED_MODEL_DIR
 from kvjax.eval.tasks import generate_task
-from kvjax.eval.prompts import build_prompt
-from kvjax.eval.tasks.base import encode, sample_rng
 from kvjax.models.model import load_tokenizer
 from train_lookahead.config import DataSection, SourceSection
 from train_lookahead.data import SEED_OFFSET, prompt_dataset, synthetic_seed, to_example, train_dataset

@@ -1,11 +1,15 @@
 """Pipeline plumbing: multi-host initialisation only when the environment says so; a workdir
-refuses to resume under another config."""
+refuses to resume under another config, and a recorded run's resumes under its own."""
 
 import dataclasses
+import json
+import pathlib
 
 import jax
+import numpy as np
 import pytest
 
+from kvjax.training import learning_rate
 from train_lookahead import pipeline
 from train_lookahead.config import RunConfig
 
@@ -32,3 +36,27 @@ def test_workdir_refuses_another_config(tmp_path):
     other = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, learning_rate=1e-3))
     with pytest.raises(ValueError, match="optim"):
         pipeline._check_workdir_config(tmp_path, other)
+
+
+RECORDED = pathlib.Path(__file__).resolve().parents[2] / "eval" / "lookahead_smollm2" / "export"
+
+
+def test_a_recorded_run_resumes_under_its_config_and_schedule(tmp_path):
+    """A recorded run's workdir config (eval/lookahead_smollm2: train_config.json is its config.json) is
+    accepted on resume, and kvjax.training's schedule gives the learning rates its log recorded."""
+    recorded = json.loads((RECORDED / "train_config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(recorded))
+    cfg = RunConfig.from_dict(recorded)
+    pipeline._check_workdir_config(tmp_path, cfg)  # raises if any section (optim included) reads differently
+    rows = [json.loads(line) for line in (RECORDED / "log.jsonl").read_text().splitlines()]
+    schedule = learning_rate(cfg.optim, cfg.train.steps)
+    assert len(rows) > 10
+    for row in rows:
+        np.testing.assert_allclose(float(schedule(row["step"] - 1)), row["lr"], rtol=1e-6, atol=1e-12)
+
+
+def test_a_batch_that_does_not_split_over_the_mesh_fails_before_any_work(tmp_path):
+    cfg = RunConfig.from_dict({"train": {"batch_size": 3}, "mesh": {"data": 2}})
+    with pytest.raises(ValueError, match=r"train\.batch_size=3 must be divisible by the mesh's data axis \(2\)"):
+        pipeline.run(cfg, tmp_path)
+    assert not (tmp_path / "targets").exists()

@@ -1,6 +1,7 @@
-"""The train loop: a run interrupted after step k and resumed ends with the parameters of an
-uninterrupted run (same data order), on 1 device and on a 4 (data) x 2 (model) mesh of 8 fake CPU
-devices; and 8 devices equal 1 device within float tolerance. The loss is kvjax.lookahead.loss_fn
+"""kvjax.training's loop as train_lookahead runs it (grain data, sharded frozen weights): a run
+interrupted after step k and resumed ends with the parameters of an uninterrupted run (same data
+order), on 1 device and on a 4 (data) x 2 (model) mesh of 8 fake CPU devices; and 8 devices equal
+1 device within float tolerance. The loss is kvjax.lookahead.loss_fn
 (via train_lookahead.loss) on the real stories260K model."""
 
 import os
@@ -15,11 +16,12 @@ import pytest
 
 import kvjax
 from kvjax.lookahead import LookaheadConfig, init_adapter
-from kvjax.sharding import make_mesh, param_shardings
+from kvjax.models.loading import param_shardings
+from kvjax.sharding import make_mesh
+from kvjax.training import read_log, train
 from train_lookahead.config import OptimSection
-from train_lookahead.data import train_dataset
+from train_lookahead.data import ROW_AXES, train_dataset
 from train_lookahead.loss import lookahead_loss
-from train_lookahead.train import read_log, train
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STEPS, KILL_AFTER, T = 5, 3, 16
@@ -51,10 +53,10 @@ def run(stories_path, workdir, data=1, model=1, stop_after=None, hard=False):
                 os._exit(9)
             raise KeyboardInterrupt
 
-    return train(lookahead_loss(m.config, LA), adapter.params, m.params, param_shardings(m.config, mesh), ds,
-                 steps=STEPS,
-                 optim=OptimSection(learning_rate=1e-2, warmup_fraction=0.2), mesh=mesh, workdir=workdir,
-                 checkpoint_every=2, log_every=1, on_step=on_step, progress=False)
+    return train(lookahead_loss(m.config, LA), adapter.params, m.params, ds, steps=STEPS,
+                 optim=OptimSection(learning_rate=1e-2, warmup_fraction=0.2), workdir=workdir, mesh=mesh,
+                 frozen_shardings=param_shardings(m.config, mesh), row_axes=ROW_AXES, checkpoint_every=2,
+                 log_every=1, on_step=on_step, progress=False)
 
 
 def leaves(tree):

@@ -16,7 +16,7 @@ from tiny_models import build_hf
 
 import kvjax
 from kvjax.cache import KVCache
-from kvjax.observations.reconstruction import Reconstruction, reconstruction_scores
+from kvjax.passes.reconstruction import Reconstruction, reconstruction_scores
 from kvjax.models import extend
 from kvjax.observations import ObservationSpec
 from kvjax.policies import KVzip, get

@@ -168,6 +168,32 @@ def test_ratio_below_protected_tokens_on_paper_presets():
     assert plan.counts[0] == (20, 500)
 
 
+def test_a_prompt_too_short_for_the_protected_tokens_gets_a_usable_error():
+    """README's policy example on the Quick start's 7-token prompt: SnapKV's paper preset cannot compress it, and
+    the *_kvpress preset the error used to suggest refuses it too (its window is 64). The error gives the shortest
+    prompt that works at that ratio and a policy that does compress it."""
+    import re
+
+    with pytest.raises(ValueError) as err:
+        SnapKV().plan((7,), 2, 2, compression_ratio=0.5)
+    msg = str(err.value)
+    assert "row 0 has 7 tokens" in msg and "32 protected tokens" in msg and "*_kvpress preset" not in msg, msg
+    with pytest.raises(ValueError, match="longer than window=64"):
+        get("snapkv_kvpress").plan((7,), 2, 2, compression_ratio=0.5)
+    assert get("knorm_kvpress").plan((7,), 4, 2, compression_ratio=0.5).counts == ((3,),) * 4  # suggested: works
+    for lengths, ratio in (((7,), 0.5), ((58,), 0.5), ((100,), 0.8), ((40, 1000), 0.875)):
+        with pytest.raises(ValueError) as err:
+            SnapKV().plan(lengths, 2, 2, compression_ratio=ratio)
+        msg = str(err.value)
+        need = int(re.search(rf"at compression_ratio={ratio} a prompt needs at least (\d+) tokens", msg).group(1))
+        # the length given is the shortest the preset compresses at that ratio
+        assert SnapKV().plan((need,), 2, 2, compression_ratio=ratio).counts[0][0] > 32
+        with pytest.raises(ValueError, match="protected"):
+            SnapKV().plan((need - 1,), 2, 2, compression_ratio=ratio)
+        if min(lengths) > 32:  # longer than the window: the kvpress rule keeps the most recent protected tokens
+            assert "*_kvpress preset" in msg and f"compression_ratio={ratio} leaves" in msg
+
+
 def test_kvpress_prompt_length_limits():
     with pytest.raises(ValueError, match="longer than window"):
         get("snapkv_kvpress").plan((64, 100), 2, 2, compression_ratio=0.5)

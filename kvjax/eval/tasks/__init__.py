@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvjax.data import GENERATORS, RULER_TASKS, run_builder
+from kvjax.data import resolve_tasks as _resolve_tasks
 from kvjax.data import SUITES as SYNTHETIC_SUITES
 from kvjax.data.base import Options, Sample, TaskSkipped, TokenizerLike, check_length, check_num_samples  # noqa: F401
 from kvjax.data.niah_grid import niah_grid, passkey  # noqa: F401
@@ -68,19 +69,7 @@ def task_names(suite: str | None = None) -> list[str]:
 
 def resolve_tasks(names: list[str]) -> list[str]:
     """Expands suite names, keeps order, drops repeats; ValueError listing the valid names otherwise."""
-    out: list[str] = []
-    unknown = []
-    for n in names:
-        expanded = SUITES.get(n, [n])
-        for t in expanded:
-            if t not in TASKS:
-                unknown.append(t)
-            elif t not in out:
-                out.append(t)
-    if unknown:
-        raise ValueError(f"unknown task(s) {', '.join(map(repr, unknown))}. Valid tasks: {', '.join(TASKS)}; "
-                         f"suites: {', '.join(SUITES)}")
-    return out
+    return _resolve_tasks(names, TASKS, SUITES)
 
 
 def generate_task(name: str, tokenizer: TokenizerLike | None, context_length: int, num_samples: int, *,

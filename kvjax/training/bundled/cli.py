@@ -19,23 +19,21 @@ import pathlib
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from kvjax.checkpoint import Checkpointer
 from kvjax.models.export import init_params, save_hf
 from kvjax.tokenizer import load_tokenizer
-from kvjax.training.bundled.config import BundledConfig, load_config, model_config
+from kvjax.training.bundled.config import BundledConfig, BundledOptim, load_config, model_config
 from kvjax.training.bundled.data import TaskBatches
 from kvjax.training.bundled.loss import lm_loss
 from kvjax.training.bundled.report import _chain, full_cache_scores, plot_loss, write_model_card
-from kvjax.training.loop import OptimConfig, make_optimizer, train
+from kvjax.training.loop import init_state, make_optimizer, train
 
 
-def _restore(workdir: pathlib.Path, params: Any, optim: OptimConfig) -> dict[str, Any]:
+def _restore(workdir: pathlib.Path, params: Any, optim: BundledOptim) -> dict[str, Any]:
     """The latest training state in `workdir/checkpoints` (params shaped like `params`)."""
     ckpt = Checkpointer(workdir / "checkpoints")
-    like = {"trainable": params, "opt_state": make_optimizer(optim).init(params), "step": jnp.int32(0)}
-    return ckpt.restore(like)
+    return ckpt.restore(init_state(params, make_optimizer(optim, optim.steps)))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
     loss = functools.partial(lm_loss, cfg=cfg, context_weight=conf.train.context_weight)
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "config.json").write_text(json.dumps(conf.raw, indent=2))
-    _, steps = train(loss, params, None, batches, optim, args.workdir,
+    _, steps = train(loss, params, None, batches, steps=optim.steps, optim=optim, workdir=args.workdir,
                      checkpoint_every=conf.train.checkpoint_every, log_every=conf.train.log_every,
                      max_seconds=None if args.max_minutes is None else args.max_minutes * 60)
     print(f"trained to step {steps} in {args.workdir}")

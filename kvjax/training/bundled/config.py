@@ -1,8 +1,8 @@
 """The bundled model's training config: frozen dataclasses parsed from the YAML (configs/bundled_model*.yaml).
 
-Sections: ``model`` (`ModelSpec`), ``data`` (`DataConfig`), ``optim`` (`kvjax.training.OptimConfig`),
-``train`` (`TrainConfig`). Unknown or missing keys raise ValueError naming the section, the key
-and the accepted keys.
+Sections: ``model`` (`ModelSpec`), ``data`` (`DataConfig`), ``optim`` (`BundledOptim`: a
+`kvjax.training.OptimConfig` and the run's ``steps``), ``train`` (`TrainConfig`). Unknown or missing
+keys raise ValueError naming the section, the key and the accepted keys.
 """
 
 from __future__ import annotations
@@ -152,6 +152,19 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class BundledOptim(OptimConfig):
+    """The ``optim`` section: `kvjax.training.OptimConfig` (its defaults are this recipe's) and ``steps``,
+    the length of the run (and of its learning-rate schedule)."""
+
+    steps: int = dataclasses.field(kw_only=True)
+
+    def __post_init__(self):
+        super().__post_init__()
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"optim.steps must be an int >= 1, got {self.steps!r}")
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     checkpoint_every: int
     log_every: int
@@ -171,7 +184,7 @@ class BundledConfig:
 
     model: ModelSpec
     data: DataConfig
-    optim: OptimConfig
+    optim: BundledOptim
     train: TrainConfig
     raw: dict[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -179,7 +192,7 @@ class BundledConfig:
     def from_dict(cls, raw: Any) -> BundledConfig:
         d = _fields(cls, raw, "the config")
         return cls(model=ModelSpec.from_dict(d["model"]), data=DataConfig.from_dict(d["data"]),
-                   optim=OptimConfig(**_fields(OptimConfig, d["optim"], "optim")),
+                   optim=BundledOptim(**_fields(BundledOptim, d["optim"], "optim")),
                    train=TrainConfig.from_dict(d["train"]), raw=dict(raw))
 
     def with_steps(self, steps: int) -> BundledConfig:
