@@ -26,10 +26,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from kvjax import kv_quant
-from kvjax.cache import KVCache, mesh_axis
+from kvjax.cache import KVCache
+from kvjax.sharding import logical_sharding
 from kvjax.kernels.attention import QuantizedKeys
 from kvjax.kv_quant import KVQuant, Quantized
 
@@ -155,9 +156,8 @@ class QuantizedKVCache:
 
     def shardings(self, mesh: Mesh) -> QuantizedKVCache:
         """Rows over "data", KV heads over "model" (where they divide), for every per-head array."""
-        _, B, H = self.pos.shape[:3]
-        lead = (None, mesh_axis(mesh, "data", B), mesh_axis(mesh, "model", H))
-        spec = lambda a: NamedSharding(mesh, PartitionSpec(*lead, *(None,) * (a.ndim - 3)))  # noqa: E731
+        spec = lambda a: logical_sharding(("layers", "batch", "kv_heads") + (None,) * (a.ndim - 3), a.shape,  # noqa: E731
+                                          mesh)
         local = None if self.local is None else self.local.shardings(mesh)
         return jax.tree.map(spec, self.replace(local=None)).replace(local=local)
 
