@@ -196,6 +196,18 @@ class KVCache:
         local = None if self.local is None else self.local.shardings(mesh)
         return KVCache(k=full, v=full, pos=meta, valid=meta, local=local)
 
+    def nbytes(self) -> int:
+        """Bytes of the allocated buffers (k, v, pos, valid, and the local rolling buffers): what the
+        cache really occupies."""
+        own = sum(int(x.size) * x.dtype.itemsize for x in (self.k, self.v, self.pos, self.valid))
+        return own + (0 if self.local is None else self.local.nbytes())
+
+    def nbytes_in_use(self) -> int:
+        """Bytes of keys and values in valid slots (the logical size of what is kept)."""
+        per_entry = 2 * self.k.shape[-1] * self.k.dtype.itemsize
+        own = int(jax.device_get(self.valid.sum())) * per_entry
+        return own + (0 if self.local is None else self.local.nbytes_in_use())
+
 
 def gather_slots(x: jax.Array, src: jax.Array) -> jax.Array:
     """Gathers per-slot data `x [L, B, Hkv, C, ...]` at `src [L, B, Hkv, C']` (-1 reads slot 0; mask it)."""
