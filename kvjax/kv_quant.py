@@ -39,8 +39,8 @@ import numpy as np
 import qwix
 from flax import struct
 
-FORMATS = ("int8", "fp8", "int4", "int2")
-BITS = {"int8": 8, "fp8": 8, "int4": 4, "int2": 2}
+FORMATS = ("int8", "fp8", "int4", "int2", "bf16")
+BITS = {"int8": 8, "fp8": 8, "int4": 4, "int2": 2, "bf16": 16}
 KEY_AXES = ("token", "channel")
 ROTATIONS = (None, "hadamard")
 # the signed range of each integer format's codes (stored unsigned: code - QMIN)
@@ -52,7 +52,8 @@ SCALE_DTYPE = jnp.float16
 class KVQuant:
     """How the kept keys and values are stored.
 
-    format: "int8", "fp8" (e4m3), "int4" or "int2".
+    format: "int8", "fp8" (e4m3), "int4" or "int2"; "bf16" stores bfloat16 values with a scale of 1 (the
+      quantized layout without rounding beyond bfloat16: a bf16 model decodes exactly as from its dense cache).
     key_axis: "token" (a scale per slot, or per `group` channels) or "channel" (a scale per channel
       over `group` consecutive slots, KIVI).
     group: channels per scale along head_dim for per-token scales (None: all of head_dim), or slots per
@@ -78,8 +79,8 @@ class KVQuant:
             raise ValueError(f"kv_quant rotation must be one of {ROTATIONS}, got {self.rotation!r}")
         if self.rotation is not None and self.format not in ("int4", "int2"):
             raise ValueError(f"kv_quant rotation={self.rotation!r} is for int4 and int2, not {self.format!r}")
-        if self.asymmetric and self.format == "fp8":
-            raise ValueError("kv_quant asymmetric=True is for the integer formats, not 'fp8'")
+        if self.asymmetric and self.format in ("fp8", "bf16"):
+            raise ValueError(f"kv_quant asymmetric=True is for the integer formats, not {self.format!r}")
         for name in ("group", "residual"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
@@ -109,7 +110,7 @@ class KVQuant:
         g = self.channel_group(head_dim)
         if g > head_dim or head_dim % g:
             raise ValueError(f"kv_quant group={g} must divide head_dim={head_dim} (and not exceed it)")
-        per_byte = 8 // self.bits
+        per_byte = max(1, 8 // self.bits)
         if head_dim % per_byte:
             raise ValueError(f"kv_quant {self.format} packs {per_byte} codes per byte: head_dim={head_dim} must be a "
                              "multiple")
@@ -215,6 +216,10 @@ def quantize(x: jax.Array, config: KVQuant, *, per_channel: bool = False, valid:
     if valid is not None:
         x = jnp.where(valid[..., None], x, 0)
     x = x.astype(jnp.float32)
+    if config.format == "bf16":
+        *lead_shape, S, _ = x.shape
+        shape = (*lead_shape, S // config.slot_group, D) if per_channel else (*lead_shape, S, D // config.channel_group(D))
+        return Quantized(codes=x.astype(jnp.bfloat16), scale=jnp.ones(shape, SCALE_DTYPE))
     lead = tuple(range(x.ndim - 2))
     if per_channel:
         tiled = {x.ndim - 2: config.slot_group}
@@ -228,7 +233,7 @@ def quantize(x: jax.Array, config: KVQuant, *, per_channel: bool = False, valid:
         q = qwix.quantize(x, _qtype(config.format), channelwise_axes=channelwise, tiled_axes=tiled,
                           calibration_method="minmax" if config.asymmetric else "absmax", scale_dtype=jnp.float32)
         scale, zero = q.scale, q.zero_point
-    scale = scale.astype(SCALE_DTYPE)
+    scale = _round_up(scale)
     zero = None if zero is None else zero.astype(jnp.int8)
     # round the codes against the stored (float16) scale, so dequantizing reproduces them exactly
     q = qwix.QArray(qvalue=_requantize(x, scale, zero, config, per_channel), scale=scale, zero_point=zero)
@@ -239,6 +244,12 @@ def quantize(x: jax.Array, config: KVQuant, *, per_channel: bool = False, valid:
     else:
         codes = q.qvalue
     return Quantized(codes=codes, scale=scale, zero=zero)
+
+
+def _round_up(scale: jax.Array) -> jax.Array:
+    """The float16 scale at or above `scale` (float32), so that no value lands past the outermost code."""
+    s16 = scale.astype(SCALE_DTYPE)
+    return jnp.where(s16.astype(jnp.float32) < scale, jnp.nextafter(s16, jnp.asarray(jnp.inf, SCALE_DTYPE)), s16)
 
 
 def _int2_minmax(x: jax.Array, per_channel: bool, config: KVQuant) -> tuple[jax.Array, jax.Array]:
@@ -287,6 +298,8 @@ def dequantize(q: Quantized, config: KVQuant, dtype: Any = jnp.float32) -> jax.A
     """[..., S, D] values of `q` (still rotated when the configuration rotates): qwix's dequantize of
     the unpacked codes, (code - zero) * scale."""
     codes = codes_of(q, config)
+    if config.format == "bf16":
+        return (codes.astype(jnp.float32) * _broadcast(q.scale.astype(jnp.float32), codes.shape)).astype(dtype)
     qtype = jnp.float8_e4m3fn if config.format == "fp8" else jnp.int8
     arr = qwix.QArray(qvalue=codes.astype(qtype), scale=q.scale.astype(jnp.float32), zero_point=q.zero)
     return qwix.dequantize(arr).astype(dtype)

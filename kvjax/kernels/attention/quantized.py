@@ -29,7 +29,7 @@ def _window(q: jax.Array, keys: QuantizedKeys, q_pos: jax.Array, scale: float, c
     m = jnp.max(s, axis=-1, keepdims=True)
     e = jnp.where(see, jnp.exp(s - m), 0.0)
     total = jnp.sum(e, axis=-1, keepdims=True)
-    v = jnp.where(see[:, :, 0, :, None], keys.rv.astype(jnp.float32)[:, :, None], 0.0)[:, :, 0]
+    v = jnp.where(see[:, :, 0, :, None], keys.rv.astype(jnp.float32), 0.0)  # [B,Hkv,R,D]
     out = jnp.einsum("bhgr,bhrd->bhgd", e / jnp.where(total > 0, total, 1.0), v)
     lse = jnp.where(total > 0, m + jnp.log(jnp.where(total > 0, total, 1.0)), MASK_VALUE)
     return out.reshape(B, Hq, D), lse.reshape(B, Hq), s
