@@ -30,6 +30,10 @@ from jax import lax
 from kvjax.kv_quant import BITS, QMIN, KVQuant
 
 
+class Unsupported(NotImplementedError):
+    """A kernel cannot run this combination (the reason says why); the dispatcher falls back to XLA."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """How rows of head_dim D are stored under a configuration (all static ints)."""
@@ -183,12 +187,15 @@ def channel_piece(x: jax.Array, p: int, lay: Layout) -> jax.Array:
 
 def repeat_rows(x: jax.Array, times: int) -> jax.Array:
     """[r, w] -> [r·times, w], each row repeated `times` times (per-channel key scales over their
-    slot group). A sublane broadcast when `times` is a multiple of 8, else an exact 0/1 matmul."""
+    slot group). A sublane broadcast when `times` is a multiple of 8, else an exact 0/1 matmul, before
+    which non-finite entries become 0 (a matmul would spread one garbage NaN of an invisible group over
+    every row: 0 · NaN = NaN)."""
     r, w = x.shape
     if times == 1:
         return x
     if times % 8 == 0:
         return jnp.broadcast_to(x[:, None, :], (r, times, w)).reshape(r * times, w)
+    x = jnp.where(jnp.abs(x) <= jnp.finfo(jnp.float32).max, x, 0.0)
     rows = lax.broadcasted_iota(jnp.int32, (r * times, r), 0)
     cols = lax.broadcasted_iota(jnp.int32, (r * times, r), 1)
     rep = jnp.where((rows >= cols * times) & (rows < (cols + 1) * times), 1.0, 0.0).astype(jnp.float32)
@@ -200,5 +207,6 @@ def lcm(a: int, b: int) -> int:
     return a * b // math.gcd(a, b)
 
 
-__all__ = ["BITS", "Layout", "layout", "bytes_per_slot", "f16_bits_to_f32", "e4m3_bits_to_f32", "scale_and_bias",
-           "code_pieces", "token_piece", "channel_piece", "repeat_rows", "storage_bits", "storage_scale"]
+__all__ = ["BITS", "Unsupported", "Layout", "layout", "bytes_per_slot", "f16_bits_to_f32", "e4m3_bits_to_f32",
+           "scale_and_bias", "code_pieces", "token_piece", "channel_piece", "repeat_rows", "storage_bits",
+           "storage_scale"]
