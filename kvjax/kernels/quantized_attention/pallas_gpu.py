@@ -11,6 +11,7 @@ Block layout (per loop step; D = head_dim, per = codes per byte: 1 int8 / fp8, 2
                its channels by a broadcast + reshape ([bk, n, g] -> [bk, D/per])
   key scale    [bk/G, D/per] per channel over G slots, one row per G slots (broadcast to [bk/G, G, D/per])
   query        [per, Gp, D/per]; out partials [per, Gp, D/per] (joined in XLA)
+Logits are written [Gp, blocks·bk] and sliced to [G, S] by XLA (as decode_attention's GPU kernel).
 The whole cache of a (row, KV head) is one ref; loads are masked by visibility, so the bytes of evicted
 and empty slots are never read (predicated loads), the last block may run past the stored slots and
 nothing is padded or copied. Invisible rows load as 0 and are dropped by the masks (select).

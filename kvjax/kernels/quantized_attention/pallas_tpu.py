@@ -25,10 +25,11 @@ the pieces sit at the same lanes as the bytes and need no lane movement. Each pi
 ``code · scale + bias`` in float32 (exact: equal to `kv_quant.dequantize`), the scale and bias spread over
 the piece's lanes from their [bk, D/g] columns (selects on the lane index when a piece spans several
 groups), or, for per-channel keys, taken from the [bk/G, D] rows (an exact 0/1 matmul picks the piece's
-lanes, a sublane broadcast repeats each row G times). The query piece is dotted with the key piece
-(s = Σ_i q_i·k_iᵀ) and the probabilities with each value piece (acc_i += p·v_i), on the MXU: bfloat16
-operands for a bfloat16 query, float32 at HIGHEST precision otherwise (the rotated queries of Hadamard
-configurations are float32). Value rows of invisible slots are zeroed before P·V.
+lanes; a sublane broadcast repeats each row G times, an exact 0/1 matmul when G is not a multiple of 8).
+The query piece is dotted with the key piece (s = Σ_i q_i·k_iᵀ) and the probabilities with each value
+piece (acc_i += p·v_i), on the MXU: bfloat16 operands for a bfloat16 query (the dequantized rows rounded
+to bfloat16), float32 at HIGHEST precision otherwise (the rotated queries of Hadamard configurations are
+float32). Value rows of invisible slots are zeroed before P·V. Nothing dequantized ever goes to HBM.
 
 Bytes read from HBM per slot, keys + values (`_unpack.bytes_per_slot`), head_dim 128, vs 2·D·2 = 512
 for bfloat16:
