@@ -14,12 +14,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from kvjax import _compat, kernels
+from kvjax import _compat, kernels, kv_quant
 from kvjax.kernels import _scores_tpu
 from kvjax.kernels.column_mass import pallas_gpu as column_gpu
 from kvjax.kernels.column_mass import pallas_tpu as column_tpu
 from kvjax.kernels.decode_attention import pallas_gpu as decode_gpu
 from kvjax.kernels.decode_attention import pallas_tpu as decode_tpu
+from kvjax.kernels.quantized_attention import api as quant_api
+from kvjax.kernels.quantized_attention import pallas_gpu as quant_gpu
+from kvjax.kernels.quantized_attention import pallas_tpu as quant_tpu
 from kvjax.kernels.window_scores import pallas_gpu as window_gpu
 from kvjax.kernels.window_scores import pallas_tpu as window_tpu
 
@@ -83,6 +86,38 @@ def test_production_blocks_are_tpu_legal():
         assert -(-t // 128) * 128 % bq == 0 and -(-s // 128) * 128 % bk == 0
 
 
+QUANT_PRESETS = ["int8", "fp8", "int4", "int2", "int4_kivi", "int2_kivi"]
+
+
+def quantized_args(s, preset, d=D, dtype=BF16):
+    """query, k, v (kv_quant.Quantized of ShapeDtypeStructs, laid out as kv_quant.quantize does), visible."""
+    cfg = kv_quant.PRESETS[preset]
+    codes = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}.get(cfg.format, jnp.uint8)
+
+    def stored(per_channel):
+        shape = (B, HKV, s // cfg.slot_group, d) if per_channel else (B, HKV, s, d // cfg.channel_group(d))
+        return kv_quant.Quantized(SD((B, HKV, s, d * cfg.bits // 8), codes), SD(shape, jnp.float16),
+                                  SD(shape, jnp.int8) if cfg.asymmetric else None)
+
+    return cfg, (SD((B, HQ, d), dtype), stored(cfg.key_axis == "channel"), stored(False), SD((B, HKV, s), jnp.bool_))
+
+
+@pytest.mark.parametrize("s", SIZES)
+@pytest.mark.parametrize("preset", QUANT_PRESETS)
+def test_quantized_decode_lowers_for_tpu(s, preset):
+    cfg, args = quantized_args(s, preset)
+    fn = functools.partial(quant_tpu.quantized_decode_attention, scale=D ** -0.5, config=cfg, softcap=50.0)
+    assert lowered_calls(fn, args, "tpu") == 1
+
+
+@pytest.mark.parametrize("preset", ["int2", "int2_kivi", "int4"])
+def test_quantized_decode_lowers_for_tpu_head_dim_64_float32(preset):
+    """head_dim 64: int2 rows are 16 bytes (a block keeps the full last dim); float32 (rotated) queries."""
+    cfg, args = quantized_args(8192 + 96, preset, d=64, dtype=F32)  # S not a multiple of the key block
+    fn = functools.partial(quant_tpu.quantized_decode_attention, scale=0.125, config=cfg)
+    assert lowered_calls(fn, args, "tpu") == 1
+
+
 needs_triton = pytest.mark.skipif(not _compat.HAS_TRITON, reason="this jax has no Pallas Triton backend")
 
 
@@ -96,6 +131,23 @@ def test_gpu_kernels_lower_for_cuda(s):
     assert lowered_calls(col, prefill_args(s), "cuda") == 2
     dec = functools.partial(decode_gpu.decode_attention, scale=D ** -0.5)
     assert lowered_calls(dec, decode_args(s), "cuda") == 1
+
+
+@needs_triton
+@pytest.mark.parametrize("s", SIZES)
+@pytest.mark.parametrize("preset", QUANT_PRESETS)
+def test_quantized_decode_lowers_for_cuda(s, preset):
+    cfg, args = quantized_args(s, preset)
+    fn = functools.partial(quant_gpu.quantized_decode_attention, scale=D ** -0.5, config=cfg, softcap=50.0)
+    assert lowered_calls(fn, args, "cuda") == 1
+
+
+@needs_triton
+@pytest.mark.parametrize("preset", ["int2", "int4_kivi"])
+def test_quantized_decode_lowers_for_cuda_head_dim_64_float32(preset):
+    cfg, args = quantized_args(8192 + 96, preset, d=64, dtype=F32)
+    fn = functools.partial(quant_gpu.quantized_decode_attention, scale=0.125, config=cfg)
+    assert lowered_calls(fn, args, "cuda") == 1
 
 
 @needs_triton
@@ -121,3 +173,6 @@ def test_public_dispatchers_lower(impl, platform):
     assert lowered_calls(col, prefill_args(s), platform) == 2
     dec = functools.partial(kernels.decode_attention, scale=D ** -0.5, implementation=impl)
     assert lowered_calls(dec, decode_args(s), platform) == 1
+    cfg, args = quantized_args(s, "int4")
+    quant = functools.partial(quant_api.quantized_decode_attention, scale=D ** -0.5, config=cfg, implementation=impl)
+    assert lowered_calls(quant, args, platform) == 1
