@@ -74,6 +74,8 @@ def quantized_decode_attention(query: jax.Array, k: Quantized, v: Quantized, vis
     _common.check_array("visible", visible, 3, "bool")
     if not isinstance(config, KVQuant):
         raise TypeError(f"config must be a kvjax.kv_quant.KVQuant, got {type(config).__name__}")
+    if config.format == "bf16":  # the layout's 16-bit passthrough (no codes to unpack): the XLA path
+        return TABLE["xla"](query, k, v, visible, scale=scale, config=config, softcap=softcap)
     b, hq, d = query.shape
     _, hkv, s = visible.shape
     if visible.shape[0] != b or hkv == 0 or hq % hkv:
