@@ -126,15 +126,19 @@ class KVQuant:
         return repr(self)
 
 
+# int4: one scale per slot and head after a Hadamard rotation (2 bytes per head_dim codes: 3.5x a bf16
+# cache's slot with its position and valid bit); int4_g32 / int4_kivi spend more bytes on scales for
+# accuracy; int2: naive group-wise (min/max per 32 channels); int2_hadamard / int2_kivi the remedies.
 PRESETS: dict[str, KVQuant] = {
     "int8": KVQuant("int8"),
     "fp8": KVQuant("fp8"),
-    "int4": KVQuant("int4", group=32, asymmetric=True, residual=128),
+    "int4": KVQuant("int4", rotation="hadamard", residual=128),
+    "int4_g32": KVQuant("int4", group=32, asymmetric=True, residual=128),
     "int4_kivi": KVQuant("int4", key_axis="channel", group=32, residual=128, asymmetric=True),
-    "int4_hadamard": KVQuant("int4", group=32, rotation="hadamard", residual=128, asymmetric=True),
     "int2": KVQuant("int2", group=32, residual=128, asymmetric=True),
-    "int2_kivi": KVQuant("int2", key_axis="channel", group=32, residual=128, asymmetric=True),
     "int2_hadamard": KVQuant("int2", group=32, rotation="hadamard", residual=128, asymmetric=True),
+    "int2_kivi": KVQuant("int2", key_axis="channel", group=32, residual=128, asymmetric=True),
+    "bf16": KVQuant("bf16", residual=128),
 }
 
 

@@ -584,7 +584,7 @@ def generate(
       says which ran. Its sizes are read from the kept counts on the host (one sync
       per run), rounded up to `RAGGED_GRANULE`; each distinct layout is one compilation.
     kv_quant: None (default: keys and values in the model dtype), a preset name of `kvjax.kv_quant.PRESETS`
-      ("int8", "fp8", "int4", "int4_kivi", "int4_hadamard", "int2", "int2_kivi", "int2_hadamard") or a
+      ("int8", "fp8", "int4", "int4_g32", "int4_kivi", "int2", "int2_hadamard", "int2_kivi", "bf16") or a
       `kvjax.kv_quant.KVQuant` (format, key axis, group, full-precision window, rotation): after the
       prompt is scored and compressed in full precision (and the question fed), the kept entries are
       quantized once and decoding reads them from codes (`kvjax.cache_quant`; `cache_layout` then
