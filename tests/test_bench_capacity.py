@@ -43,7 +43,7 @@ def test_capacity_batch_arithmetic_on_a_tiny_run(tmp_path, monkeypatch):
                           kv_quant=None if storage == "none" else storage, max_new_tokens=4, stop_tokens=[])
         assert r["bytes_per_row"] == direct.cache_bytes == sum(r["parts"].values())
         assert r["batch"] == int(memory_gib * 2**30) // r["bytes_per_row"] >= 1
-        assert r["measured_batch"] == 1 and r["capped"] == (r["batch"] > 1) and r["same_tokens"]
+        assert r["measured_batch"] == 1 and r["capped"] == (r["batch"] > 1) and r["tokens"] == "same"
         assert r["tokens_per_s"] > 0
     full, full8 = cells[("full", "full", "none")], cells[("full", "full", "int8")]
     snap, snap8 = cells[("snapkv", "r=0.5", "none")], cells[("snapkv", "r=0.5", "int8")]
@@ -74,6 +74,14 @@ def test_the_decode_is_timed_on_the_row_repeated_to_the_batch():
     seconds, got = capacity.time_decode(model, first, row, batch=3, length=100, new_tokens=4, repeats=1)
     direct = generate(model, [prompt], max_new_tokens=4, stop_tokens=[])
     assert seconds > 0 and got.shape == (3, 4) and (got == direct.tokens[0]).all()
+    check = lambda tokens: capacity.token_check(model, first, row, tokens, direct.tokens[0], length=100,  # noqa: E731
+                                                new_tokens=4)
+    assert check(got) == "same"
+    parted = got.copy()
+    parted[:, 2] += 1  # every row parts from generate's tokens at token 2: the batch-1 decode decides
+    assert check(parted) == "same at batch 1 (batch 3 from token 2)"
+    parted[1, 3] += 1  # rows that disagree with each other
+    assert check(parted) == "NO"
 
 
 def test_capacity_options_are_checked_by_name(capsys):
