@@ -30,6 +30,7 @@ allocator slack), rows of one length, and no sharing between rows.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import statistics
 import time
@@ -74,8 +75,8 @@ def _storages(text: str) -> list[str]:
     accepted = ("none", *PRESETS)
     unknown = [n for n in names if n not in accepted]
     if unknown or not names:
-        raise argparse.ArgumentTypeError(f"--kv-quant: unknown storage(s) {', '.join(map(repr, unknown)) or '(none given)'}"
-                                         f"; accepted: {', '.join(accepted)}")
+        got = ", ".join(map(repr, unknown)) or "(none given)"
+        raise argparse.ArgumentTypeError(f"--kv-quant: unknown storage(s) {got}; accepted: {', '.join(accepted)}")
     return list(dict.fromkeys(names))
 
 
@@ -100,7 +101,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated presets that compress at prefill ('none': the full cache only)")
     parser.add_argument("--compression-ratios", type=_ratios, default=[0.5], help="comma-separated fractions removed")
     parser.add_argument("--kv-quant", type=_storages, default=["none", "int8", "int4", "int2"],
-                        help=f"comma-separated storages: none or presets of kvjax.kv_quant.PRESETS ({', '.join(PRESETS)})")
+                        help="comma-separated storages: none or presets of kvjax.kv_quant.PRESETS "
+                             f"({', '.join(PRESETS)})")
     parser.add_argument("--max-measured-batch", type=_measured, default="auto",
                         help=f"cap on the batch the decode is timed at: a count (0: no timing), 'none', or 'auto' "
                              f"({CPU_MEASURED_BATCH} on CPU, no cap on an accelerator)")
@@ -134,7 +136,8 @@ def check_args(args: argparse.Namespace) -> None:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
     if args.new_tokens < 2:
-        raise ValueError(f"--new-tokens must be at least 2 (one decode step after the first token), got {args.new_tokens}")
+        raise ValueError(f"--new-tokens must be at least 2 (one decode step after the first token), "
+                         f"got {args.new_tokens}")
     for r in args.compression_ratios:
         if not 0 <= r < 1:
             raise ValueError(f"--compression-ratios: {r} is not in [0, 1)")
@@ -143,8 +146,8 @@ def check_args(args: argparse.Namespace) -> None:
         if policy.decode_time or steps.rope_mode(policy) != "original":
             raise ValueError(f"--policies: {name!r} evicts while decoding or re-rotates keys (rope_mode "
                              f"{steps.rope_mode(policy)!r}); the capacity bench repeats one row's decode cache to the "
-                             "batch, so it takes presets that compress at prefill in rope_mode 'original' (e.g. snapkv, "
-                             "pyramidkv, ada_snapkv, knorm, streaming_llm_kvpress)")
+                             "batch, so it takes presets that compress at prefill in rope_mode 'original' (e.g. "
+                             "snapkv, pyramidkv, ada_snapkv, knorm, streaming_llm_kvpress)")
 
 
 def make_settings(args: argparse.Namespace) -> list[Setting]:
@@ -286,7 +289,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
     for mode in dict.fromkeys(steps.rope_mode(p) for p in resolved):
         spec = steps.prefill_spec([p for p in resolved if steps.rope_mode(p) == mode])
         first, cache, obs, _ = steps.prefill(model.params, tokens, positions, jax.random.PRNGKey(0), cfg=cfg,
-                                             capacity=bucket, observe=spec, rope_mode=mode, sampler=Sampler(), mesh=None)
+                                             capacity=bucket, observe=spec, rope_mode=mode, sampler=Sampler(),
+                                             mesh=None)
         prefilled[mode] = first, cache, obs
     base = next((o.cache_bytes for st, o in zip(settings, outs)
                  if st.policy is None and st.kv_quant is None and not isinstance(o, Exception)), None)
@@ -352,8 +356,14 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], str]:
          "(the same cache decoded at batch 1), the batch's rows (all equal) parting from them at token k (bf16 "
          "near-ties of a random-weight model tipped by sums of another batch size); NO otherwise"), "",
         markdown_table(COLUMNS, rows), "", *refused, *([""] if refused else []),
-        f"Command: `python -m kvjax.bench capacity {' '.join(command_args(args))}`", ""])
+        f"Command: `{command_env()}python -m kvjax.bench capacity {' '.join(command_args(args))}`", ""])
     return results, report
+
+
+def command_env() -> str:
+    """The attention implementation order when the environment sets one (it changes what is timed)."""
+    value = os.environ.get("KVJAX_ATTENTION_IMPLEMENTATION")
+    return f"KVJAX_ATTENTION_IMPLEMENTATION={value} " if value else ""
 
 
 def command_args(args: argparse.Namespace) -> list[str]:
