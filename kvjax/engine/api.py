@@ -250,6 +250,10 @@ def _plan(cfg: ModelConfig, st: Setting, policy: Policy | None, part: _Part) -> 
     """The setting's run on one sub-batch, or the ValueError its policy raises for these rows."""
     if policy is None:
         return _Run(st, None, None)
+    if st.kv_quant is not None and steps.rope_mode(policy) != "original":
+        return ValueError(f"kv_quant={st.kv_quant.name!r} stores keys rotated at their positions, but this policy "
+                          f"decodes in rope_mode {steps.rope_mode(policy)!r} (keys rotated again at their rank in "
+                          "the cache at every step), which a quantized cache does not do; run it with kv_quant=None")
     try:
         if st.prefill_chunk is not None:
             check_chunked_prefill(policy, st.prefill_chunk)

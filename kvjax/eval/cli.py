@@ -13,6 +13,7 @@ import warnings
 from typing import Any
 
 from kvjax.eval.report import SCORE_NOTE, write_reports
+from kvjax.kv_quant import PRESETS as _KV_QUANT
 from kvjax.policies.base import check_budget
 from kvjax.policies.registry import canonical_name, close_match
 
@@ -47,12 +48,14 @@ DEFAULTS: dict[str, Any] = {
     "lookahead": None,
     "prefill_chunk": None,
     "cache_layout": "dense",
+    "kv_quant": ["none"],
 }
 # Settings that change what a sample or its answer is: a rerun into the same folder must keep them.
 RUN_IDENTITY = ("model", "context_length", "seed", "query_aware", "max_new_tokens", "data", "words",
                 "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens", "lookahead", "prefill_chunk",
                 "cache_layout")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+KV_QUANT_PRESETS = tuple(_KV_QUANT)  # the names --kv-quant accepts, beside "none"
 
 EPILOG = """\
 tasks and suites:
@@ -66,9 +69,11 @@ data files (--data NAME=PATH, repeatable):
   JSON, qa_1), hotpotqa (HotpotQA dev-distractor JSON, qa_2), longbench (folder of {task}.jsonl),
   gsm8k / math500 / aime24 / aime25 (JSONL), fidelity (text), fidelity_ids (.npy/.json ids).
 outputs (in --out):
-  results.jsonl (one line per task, policy, ratio/budget, sample; its stats hold the cache the
-  answer used: kept_mean, kept_peak, kv_bytes_mean, kv_bytes_peak, budget, budget_reached),
-  results.md, results.csv, metrics.json, score_vs_compression.png, niah_heatmaps/,
+  results.jsonl (one line per task, policy, ratio/budget, KV storage, sample; kv_quant: the
+  storage; its stats hold the cache the answer used: kept_mean, kept_peak, kv_bytes_mean,
+  kv_bytes_peak, kv_bytes16_mean, kv_bytes16_peak, budget, budget_reached), results.md,
+  results.csv, metrics.json, score_vs_compression.png, score_vs_kv_bytes.png (score against the
+  KV bytes at 16 bits per element: equal-memory comparisons across storages), niah_heatmaps/,
   run_config.json. A rerun with the same
   --out resumes: finished entries are not recomputed; the model, context length, seed and the
   other sample-defining options must match the folder's run_config.json.
@@ -152,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
       help="decode cache layout: dense [L,B,Hkv,C,D] (default) or ragged, where adaptive budgets (pyramidkv, "
            "ada_*, cake) store only the entries they keep (README, 'Ragged decode layout'); answers are the same, "
            "the recorded cache bytes are not")
+    a("--kv-quant", nargs="+", metavar="STORAGE",
+      help="KV storages, space or comma separated: 'none' (the model dtype) or presets of kvjax.kv_quant.PRESETS "
+           f"({', '.join(KV_QUANT_PRESETS)}); every setting, the full cache included, runs at each; the kept "
+           "cache is quantized after compression (default: none)")
     a("--compilation-cache", metavar="DIR|off",
       help="folder of jax's persistent compilation cache, so that a later run skips compiling the same "
            "programs, or 'off' (default: $KVJAX_COMPILATION_CACHE if set, else $XDG_CACHE_HOME/kvjax/jax or "
@@ -220,6 +229,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         "niah_depths": _floats(args.niah_depths, "--niah-depths", parser),
         "niah_haystack": args.niah_haystack, "fidelity_tokens": args.fidelity_tokens, "lookahead": args.lookahead,
         "prefill_chunk": getattr(args, "prefill_chunk", None), "cache_layout": getattr(args, "cache_layout", None),
+        "kv_quant": _csv(getattr(args, "kv_quant", None)),
     }
     if args.budgets is not None and args.compression_ratios is None:
         cli["compression_ratios"] = []
@@ -263,6 +273,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
             check_budget(b, None)
     except (TypeError, ValueError) as err:
         parser.error(f"--compression-ratios / --budgets: {err}")
+    cfg["kv_quant"] = check_kv_quant(cfg["kv_quant"], parser)
     for key in ("context_length", "batch_size", "fidelity_tokens"):
         if int(cfg[key]) <= 0:
             parser.error(f"--{key.replace('_', '-')} must be positive, got {cfg[key]}")
@@ -280,6 +291,21 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         cfg["out"] = str(pathlib.Path("out") / "eval" /
                          f"{tag}_L{cfg['context_length']}_{mode}_seed{cfg['seed']}{chunk}{layout}")
     return cfg
+
+
+def check_kv_quant(value: Any, parser: argparse.ArgumentParser) -> list[str]:
+    """The `kv_quant` storages (a list, or one comma-separated string in a config file), each "none" or a
+    preset name of `kvjax.kv_quant.PRESETS`, duplicates dropped; an unknown one is a usage error listing
+    the accepted names."""
+    names = _csv([value] if isinstance(value, str) else [str(v) for v in value or []])
+    accepted = ["none", *KV_QUANT_PRESETS]
+    unknown = [n for n in names if n not in accepted]
+    if unknown:
+        parser.error(f"--kv-quant (config key kv_quant): unknown storage(s) {', '.join(repr(n) for n in unknown)}; "
+                     f"accepted: {', '.join(accepted)} ('none': the model dtype; the others: kvjax.kv_quant.PRESETS)")
+    if not names:
+        parser.error(f"--kv-quant (config key kv_quant) needs at least one storage; accepted: {', '.join(accepted)}")
+    return list(dict.fromkeys(names))
 
 
 def _lookahead_adapter(cfg: dict[str, Any], required: bool = False) -> Any:
@@ -432,7 +458,7 @@ def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser
                       file=sys.stderr)
         names = kept
     settings = runner.make_settings(names, cfg["compression_ratios"], cfg["budgets"],
-                                    prefill_chunk=cfg["prefill_chunk"])
+                                    prefill_chunk=cfg["prefill_chunk"], kv_quant=cfg["kv_quant"])
     if share_shapes := getattr(generate_fn, "share_shapes", None):
         share_shapes([s for task, made in samples.items() if TASKS[task].metric != "fidelity" for s in made],
                      bool(cfg["query_aware"]))

@@ -57,11 +57,12 @@ def _split_ids(samples: list[dict[str, Any]], tokenizer: Any, query_aware: bool)
 
 def cache_stats(out: engine.GenerateOutput, b: int) -> dict[str, Any]:
     """Row b's cache as it really was while the row decoded: entries per KV head (peak, mean; the
-    average over layers and heads), their key/value bytes, the nominal budget and whether the cache
-    ever came down to it (None for the full cache). The decode loop runs to the row's stop token or
+    average over layers and heads), their key/value bytes in the model dtype and at 16 bits per element
+    (kv_bytes16_*: the codes, scales and zero points of a quantized cache), the nominal budget and
+    whether the cache ever came down to it (None for the full cache). The decode loop runs to the row's stop token or
     the batch's largest task cap, so a row cut to a shorter task cap is counted over the longer decode."""
     stats: dict[str, Any] = {}
-    for key in ("kept_peak", "kept_mean", "kv_bytes_peak", "kv_bytes_mean"):
+    for key in ("kept_peak", "kept_mean", "kv_bytes_peak", "kv_bytes_mean", "kv_bytes16_peak", "kv_bytes16_mean"):
         value = getattr(out, key)
         if value is not None:
             stats[key] = int(round(float(value[b]))) if key.startswith("kv_bytes") else round(float(value[b]), 2)
@@ -118,10 +119,11 @@ def make_generate_fn(model: Any, pad_to: int | None = None, min_new_tokens: int 
         shapes["question_tokens"] = max([len(q) for q in questions], default=0)
 
     def generate_fn(samples: list[dict[str, Any]], *, policy: str | None, compression_ratio: float | None,
-                    budget: int | None, query_aware: bool, prefill_chunk: int | None = None) -> list[dict[str, Any]]:
+                    budget: int | None, query_aware: bool, prefill_chunk: int | None = None,
+                    kv_quant: Any = None) -> list[dict[str, Any]]:
         contexts, questions, kw = _inputs(samples, query_aware)
         out = engine.generate(model, kw.pop("prompts"), policy=policy, compression_ratio=compression_ratio, budget=budget,
-                       prefill_chunk=prefill_chunk, cache_layout=cache_layout, **kw)
+                              prefill_chunk=prefill_chunk, cache_layout=cache_layout, kv_quant=kv_quant, **kw)
         return _outputs(out, samples, contexts, questions)
 
     def many(samples: list[dict[str, Any]], *, settings, query_aware: bool) -> list[list[dict[str, Any]]]:

@@ -16,6 +16,12 @@ The model is reached only through two injected callables, so that tests use fake
 * ``logits_fn(samples, *, policy, compression_ratio, budget) -> list[np.ndarray]`` for the
   fidelity task: per sample, the logits ``[T, V]`` predicting each continuation token after the
   context was (or was not, with ``policy=None``) compressed.
+
+A setting with a quantized KV storage (``Setting.kv_quant``, `storage_name`) passes ``kv_quant`` to
+``generate_fn`` too; every row records its storage (``kv_quant``: a preset name of
+`kvjax.kv_quant.PRESETS`, or "none"; rows written before the field existed read as "none"). The
+fidelity task teacher-forces through `kvjax.engine.continuation_logits`, which has no quantized path:
+its quantized settings are recorded as not run, with the reason.
 """
 
 from __future__ import annotations
@@ -36,14 +42,26 @@ LogitsFn = Callable[..., list[Any]]
 
 def make_settings(policies: Sequence[str], compression_ratios: Sequence[float] = (),
                   budgets: Sequence[int] = (), baseline: bool = True,
-                  prefill_chunk: int | None = None) -> list[Setting]:
+                  prefill_chunk: int | None = None, kv_quant: Sequence[Any] = ("none",)) -> list[Setting]:
     """The full-cache baseline, then every policy at every ratio and every budget (each with a
-    chunked prefill of `prefill_chunk` tokens when given; the baseline stays one-shot)."""
-    out = [Setting(None)] if baseline else []
-    out += [Setting(p, compression_ratio=float(r), prefill_chunk=prefill_chunk)
-            for p in policies for r in compression_ratios]
-    out += [Setting(p, budget=int(b), prefill_chunk=prefill_chunk) for p in policies for b in budgets]
+    chunked prefill of `prefill_chunk` tokens when given; the baseline stays one-shot), each at every
+    KV storage of `kv_quant` ("none" / None: the model dtype, or a preset name of
+    `kvjax.kv_quant.PRESETS`): the baselines first, then per policy and storage its ratios, then
+    its budgets."""
+    storages = [None if q is None or q == "none" else q for q in kv_quant]
+    if not storages:
+        raise ValueError("kv_quant: give at least one storage ('none' for the model dtype)")
+    out = [Setting(None, kv_quant=q) for q in storages] if baseline else []
+    out += [Setting(p, compression_ratio=float(r), prefill_chunk=prefill_chunk, kv_quant=q)
+            for p in policies for q in storages for r in compression_ratios]
+    out += [Setting(p, budget=int(b), prefill_chunk=prefill_chunk, kv_quant=q)
+            for p in policies for q in storages for b in budgets]
     return out
+
+
+def storage_name(setting: Setting) -> str:
+    """The setting's KV storage as rows record it: "none", or the preset name (`KVQuant.name`)."""
+    return "none" if setting.kv_quant is None else setting.kv_quant.name
 
 
 def row_key(task: str, setting_policy: str, setting_label: str, sample_id: str) -> tuple[str, str, str, str]:
@@ -69,6 +87,7 @@ class ResultStore:
                     warnings.warn(f"{self.path}:{n}: unreadable line skipped (it will be recomputed)")
                     bad += 1
                     continue
+                row.setdefault("kv_quant", "none")  # written before the storage axis: the model dtype
                 self.rows[self.key(row)] = row
         if bad:  # rewrite without the broken lines, so that appends start on a clean line
             tmp = self.path.with_suffix(".jsonl.tmp")
@@ -109,7 +128,8 @@ def _truncate_at_stop(text: str, stops: Sequence[str] | None) -> str:
 def _base_row(task: str, setting: Setting, sample: dict[str, Any], query_aware: bool) -> dict[str, Any]:
     row = {
         "task": task, "policy": setting.policy_name, "setting": setting.label,
-        "compression_ratio": setting.compression_ratio, "budget": setting.budget, "sample_id": sample["id"],
+        "compression_ratio": setting.compression_ratio, "budget": setting.budget,
+        "kv_quant": storage_name(setting), "sample_id": sample["id"],
         "query_aware": query_aware, "length": sample.get("length"), "target_length": sample.get("target_length"),
     }
     meta = sample.get("metadata") or {}
@@ -232,6 +252,19 @@ def _run_fidelity(task: str, batch: list[dict[str, Any]], settings: Sequence[Set
                   logits_fn: LogitsFn, metric: str, query_aware: bool, bar) -> None:
     todo = [st for st in settings
             if any(row_key(task, st.policy_name, st.label, s["id"]) not in store for s in batch)]
+    if not todo:
+        return
+    quantized = [st for st in todo if st.kv_quant is not None]
+    for st in quantized:  # no teacher-forced path through a quantized cache: recorded as not run, saying why
+        why = ("the fidelity task teacher-forces its continuation through kvjax.engine.continuation_logits, "
+               "which has no quantized KV storage: it runs at --kv-quant none only")
+        warnings.warn(f"{task} {st.policy_name} {st.label}: not run ({why})")
+        rows = [{**_base_row(task, st, s, query_aware), "prediction": None, "answers": [], "score": None,
+                 "metrics": {}, "stats": {}, "seconds": 0.0, "error": why}
+                for s in batch if row_key(task, st.policy_name, st.label, s["id"]) not in store]
+        store.add(rows)
+        bar.update(len(rows))
+    todo = [st for st in todo if st.kv_quant is None]
     if not todo:
         return
     full = logits_fn(batch, policy=None, compression_ratio=None, budget=None)

@@ -203,8 +203,8 @@ def test_report_numbers_and_files(tmp_path):
     md = (tmp_path / "results.md").read_text()
     assert "| snap | r=0.5 | 50.00 | 30.00 | 40.00 |" in md and "**qa_1**: no file" in md
     csv_lines = (tmp_path / "results.csv").read_text().splitlines()
-    assert csv_lines[0].startswith("policy,setting,compression_ratio,budget,task,score,n,nulls")
-    assert "snap,r=0.5,0.5,,cwe,30.0,1,0,0.25" in csv_lines
+    assert csv_lines[0].startswith("policy,setting,compression_ratio,budget,kv_quant,task,score,n,nulls")
+    assert "snap,r=0.5,0.5,,none,cwe,30.0,1,0,0.25" in csv_lines
     assert json.loads((tmp_path / "metrics.json").read_text())["skipped"] == {"qa_1": "no file"}
 
 
