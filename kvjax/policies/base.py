@@ -62,18 +62,32 @@ class Requirements:
 
 
 @struct.dataclass(frozen=True, kw_only=True)
+class AllocData:
+    """Base of an allocator's plan data (`Plan.alloc`): named [L][B] tuples, leaves of the plan's pytree.
+
+    compressed: [L][B] bool, whether the allocator compresses (layer, row) at all; where False the
+      row keeps its whole prompt in that layer and the subclass's other fields there are 0.
+    """
+
+    compressed: tuple[tuple[bool, ...], ...] = ()
+
+
+@struct.dataclass(frozen=True, kw_only=True)
 class Plan:
     """Host-side decisions for one batch: hashable (a jit static argument) and a pytree.
 
-    The integer tuples are pytree leaves, so the plan may also be passed to `jit` as a traced
-    argument (one compile per bucket instead of per length tuple); `capacity`, `compact` and
+    The integer (and bool) tuples are pytree leaves, so the plan may also be passed to `jit` as a
+    traced argument (one compile per bucket instead of per length tuple); `capacity`, `compact` and
     `max_new_tokens` are static metadata either way.
 
     lengths:       [B] real prompt lengths T_b.
     counts:        [L][B] prompt tokens kept per KV head, protected tokens included. Exact for
                    uniform and per-layer budgets; the nominal per-head average for head- or
-                   data-adaptive allocators (Ada-KV, CAKE).
-    extra:         [L][B] allocator data (Ada-KV floor, CAKE clip bound; -1 = no compression).
+                   data-adaptive allocators (Ada-KV, Global, CAKE), which read `alloc` as well.
+    alloc:         the allocator's own data (`AdaData`, `GlobalData`, `CakeData` in `allocators`),
+                   None for the static allocators (Uniform, Pyramid) and for policies without one.
+                   One typed field rather than one optional field per meaning on Plan: a new
+                   allocator defines its own struct without changing Plan, which every policy reads.
     decode_budget: [B] per-head entries kept after each decode-time eviction (() if none).
     capacity:      slots per (layer, row, head) the cache needs after prefill, decode room included.
     compact:       False when prefill evicts nothing (keep == valid), so the gather may be skipped.
@@ -81,7 +95,7 @@ class Plan:
 
     lengths: tuple[int, ...]
     counts: tuple[tuple[int, ...], ...]
-    extra: tuple[tuple[int, ...], ...] = ()
+    alloc: AllocData | None = None
     decode_budget: tuple[int, ...] = ()
     capacity: int = struct.field(pytree_node=False, default=0)
     compact: bool = struct.field(pytree_node=False, default=True)
@@ -91,6 +105,11 @@ class Plan:
 def as_i32(x: Any) -> jax.Array:
     """A plan field (static tuple or traced leaves) as an int32 array."""
     return jnp.asarray(x, dtype=jnp.int32)
+
+
+def as_bool(x: Any) -> jax.Array:
+    """A bool plan field (static tuple or traced leaves) as a bool array."""
+    return jnp.asarray(x, dtype=jnp.bool_)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -316,7 +335,7 @@ class PlanRequest:
         *,
         capacity: int,
         evicts: bool,
-        extra: Sequence[Sequence[int]] = (),
+        alloc: AllocData | None = None,
         decode_budget: Sequence[int] = (),
     ) -> Plan:
         """Builds the Plan. No head ever holds more than max(T) + max_new_tokens entries, so the
@@ -327,7 +346,7 @@ class PlanRequest:
         return Plan(
             lengths=self.lengths,
             counts=tuple(tuple(int(c) for c in row) for row in counts),
-            extra=tuple(tuple(int(c) for c in row) for row in extra),
+            alloc=alloc,
             decode_budget=tuple(int(c) for c in decode_budget),
             capacity=int(capacity),
             compact=bool(evicts or capacity < prefill_slots),

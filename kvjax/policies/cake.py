@@ -110,7 +110,7 @@ class CAKE(PrefillPolicy):
         decode_budget, peak = [], 0
         layers = range(req.num_layers)
         for b, (t, c) in enumerate(zip(req.lengths, req.row_budgets(self.kvpress_compat))):
-            if any(alloc.counts[l][b] < t or alloc.extra[l][b] >= 0 for l in layers):
+            if any(alloc.compressed[l][b] for l in layers):
                 decode_budget.append(-1)
                 peak = max(peak, max(alloc.bound[l][b] for l in layers))
             else:
@@ -118,7 +118,7 @@ class CAKE(PrefillPolicy):
                 peak = max(peak, t, c)
         return req.finish(
             alloc.counts,
-            extra=alloc.extra,
+            alloc=alloc.data,
             decode_budget=decode_budget,
             capacity=peak + 1 + req.question_tokens,
             evicts=alloc.evicts,

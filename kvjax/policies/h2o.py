@@ -91,23 +91,26 @@ class H2O(Policy):
     def build_plan(self, req: PlanRequest) -> Plan:
         lengths, num_layers = req.lengths, req.num_layers
         budgets = req.row_budgets(self.kvpress_compat)
-        recents = []
         for b, c in enumerate(budgets):
             r = c // 2 if self.recent is None else self.recent
             if c <= r:
                 raise ValueError(f"H2O: row {b} has budget {c}, which must exceed recent={r} (heavy hitters hh >= 1)")
-            recents.append(r)
         counts = [[min(c, t) for c, t in zip(budgets, lengths)]] * num_layers
         return req.finish(
             counts,
-            extra=[recents] * num_layers,
             decode_budget=budgets,
             capacity=max(budgets) + 1 + req.question_tokens,
             evicts=any(c < t for c, t in zip(budgets, lengths)),
         )
 
+    def recent_counts(self, plan: Plan) -> jax.Array | int:
+        """Newest entries each head keeps: `recent`, or half of each row's budget ([B])."""
+        if self.recent is not None:
+            return self.recent
+        return as_i32(plan.decode_budget) // 2
+
     def _keep(self, plan: Plan, acc: jax.Array, cache: KVCache, counts: jax.Array) -> jax.Array:
-        recent = recent_mask(cache.pos, cache.valid, as_i32(plan.extra)[..., None])
+        recent = recent_mask(cache.pos, cache.valid, jnp.reshape(self.recent_counts(plan), (1, -1, 1)))
         return select(acc, cache.valid, counts, pos=cache.pos, protected=recent)
 
     def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
