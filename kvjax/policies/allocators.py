@@ -503,7 +503,7 @@ class Cake(Allocator):
         return out
 
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
-        log_pref = scored.aux.get("cake_log_pref")
+        log_pref = scored.layer_log_pref
         if log_pref is None:
             lengths = as_i32(plan.lengths)
             scale = attention_scale(obs, cache.k.shape[-1], True)

@@ -72,6 +72,15 @@ class AllocData:
     compressed: tuple[tuple[bool, ...], ...] = ()
 
 
+@struct.dataclass
+class DecodeState:
+    """Base of a decode-time policy's state, carried through the decode loop (a pytree of arrays).
+
+    Policies that carry nothing between steps (StreamingLLM, TOVA, prefill-only ones) use this empty
+    one; the others subclass it with one named field per array (`H2OState`, `LazyState`, `CakeState`).
+    """
+
+
 @struct.dataclass(frozen=True, kw_only=True)
 class Plan:
     """Host-side decisions for one batch: hashable (a jit static argument) and a pytree.
@@ -196,23 +205,25 @@ class Policy:
     def build_plan(self, req: "PlanRequest") -> Plan:
         raise NotImplementedError
 
-    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, DecodeState | None]:
+        """keep [L,B,Hkv,C] bool, and per-slot state ([L,B,Hkv,C] leaves, moved with the slots by
+        the compaction) for `init_decode`, or None."""
         raise NotImplementedError
 
-    def init_decode(self, plan: Plan, cache: KVCache, slot_state: Any) -> Any:
+    def init_decode(self, plan: Plan, cache: KVCache, slot_state: DecodeState | None) -> DecodeState:
         """Decode state after compaction; prefill-only policies carry none."""
-        return ()
+        return DecodeState()
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
-    ) -> tuple[Any, jax.Array]:
+        self, plan: Plan, state: DecodeState, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
+    ) -> tuple[DecodeState, jax.Array]:
         """Prefill-only policies never evict during decoding."""
         return state, cache.valid
 
 
 def compress_prefill(
     policy: Policy, plan: Plan, cache: KVCache, obs: Observations, *, capacity: int
-) -> tuple[KVCache, Any]:
+) -> tuple[KVCache, DecodeState]:
     """The prefill eviction sequence on a full cache: the policy's keep mask, the compacted (or
     masked) cache, its per-slot state moved with the slots, and the policy's decode state.
 

@@ -54,4 +54,4 @@ class KNorm(PrefillPolicy):
     def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
         k = cache.k.astype(jnp.float32)
         s = -jnp.sqrt(jnp.sum(k * k, axis=-1))
-        return Scored(jnp.where(cache.valid, s, 0.0), jnp.zeros_like(cache.valid), {})
+        return Scored(jnp.where(cache.valid, s, 0.0), jnp.zeros_like(cache.valid))

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import jax
 
 from kvjax.cache import KVCache
 from kvjax.observations import Observations
 from kvjax.policies.allocators import RULES, Allocation, Allocator, Uniform
 from kvjax.policies.base import (
+    DecodeState,
     Plan,
     PlanRequest,
     Policy,
@@ -93,7 +92,7 @@ class PrefillPolicy(Policy):
         """Kept entries per (layer, row, head) [L,B,Hkv] int32, protected tokens included."""
         return self.budget_allocator().head_counts(plan, scored, cache, obs, self.protected_count())
 
-    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, DecodeState | None]:
         """keep [L,B,Hkv,C] bool: per head the protected slots, then the best-scored ones."""
         scored = self.score(plan, cache, obs)
         counts = self.head_counts(plan, scored, cache, obs)
