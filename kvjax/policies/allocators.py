@@ -1,10 +1,12 @@
 """Budget allocators: turn a budget into kept counts per (layer, row, KV head) (policies.md §6-8).
 
 An allocator composes with any prefill scorer. Its host half (`allocate`) runs in Python
-float64 exactly as the reference code does; its traced half (`head_counts`) turns scores into
-per-head counts inside jit. Uniform and Pyramid are static; Ada (head-wise, data-dependent)
-and Cake (layer-wise from attention statistics) are traced and realised as masks within a
-static capacity bound.
+float64 exactly as the reference code does and returns an `Allocation` ([L][B] tuples: L layers,
+B rows); its traced half (`head_counts`) turns scores into per-head counts [L,B,Hkv] inside jit.
+Uniform and Pyramid are static; Ada (head-wise, data-dependent), Global (one budget per layer or
+per row) and Cake (layer-wise from attention statistics) are traced, realised as masks within a
+static capacity bound, and hand their traced half its inputs in `Plan.alloc` (`AdaData`,
+`GlobalData`, `CakeData`).
 """
 
 from __future__ import annotations
@@ -15,45 +17,87 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from kvjax.cache import KVCache
 from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.base import (
+    AllocData,
     Plan,
+    PlanRequest,
     Requirements,
+    as_bool,
     as_i32,
     check_choice,
     check_float,
     check_int,
     rank,
-    row_budgets,
 )
 from kvjax.policies.scoring import Scored, attention_scale, last_window, window_moments
 
 RULES = ("paper", "kvpress")
 
 
+Rows = Sequence[Sequence[int]]  # [B][L], as the allocators compute them (one row at a time)
+
+
+def by_layer(rows: Rows, kind: type = int) -> tuple[tuple, ...]:
+    """[B][L] lists -> the [L][B] tuples of `Plan` and `Allocation` (elements cast by `kind`)."""
+    return tuple(tuple(kind(x) for x in col) for col in zip(*rows))
+
+
+@struct.dataclass(frozen=True, kw_only=True)
+class AdaData(AllocData):
+    """Ada-KV's plan data. floor: [L][B] the entries every head keeps before the shared pick (rule
+    "paper": int(B' alpha), added to each head's share; rule "kvpress": n_safe, each head's top n_safe)."""
+
+    floor: tuple[tuple[int, ...], ...] = ()
+
+
+@struct.dataclass(frozen=True, kw_only=True)
+class GlobalData(AllocData):
+    """Global's plan data. group_total: [L][B] entries kept by the group that shares one budget (the
+    layer's KV heads, or every layer's when across_layers; then equal across layers)."""
+
+    group_total: tuple[tuple[int, ...], ...] = ()
+
+
+@struct.dataclass(frozen=True, kw_only=True)
+class CakeData(AllocData):
+    """CAKE's plan data. clip: [L][B] the most non-window entries one layer may keep (CAKE's bound on
+    b_l, equal across layers)."""
+
+    clip: tuple[tuple[int, ...], ...] = ()
+
+
 @dataclasses.dataclass(frozen=True)
 class Allocation:
-    """Host result: counts/extra as in `Plan`; bound [L][B] = most entries any head may keep."""
+    """An allocator's host result, [L][B] tuples.
+
+    counts:     as `Plan.counts`.
+    bound:      the most entries any head of (layer, row) may keep after prefill (sizes the cache).
+    compressed: whether prefill evicts from (layer, row): counts < T, or the allocator compresses it.
+    data:       the allocator's data for its traced half (`Plan.alloc`); None for static allocators.
+    """
 
     counts: tuple[tuple[int, ...], ...]
-    extra: tuple[tuple[int, ...], ...]
     bound: tuple[tuple[int, ...], ...]
-    evicts: bool
+    compressed: tuple[tuple[bool, ...], ...]
+    data: AllocData | None = None
 
+    @classmethod
+    def from_rows(cls, lengths: Sequence[int], counts: Rows, bound: Rows, data: AllocData | None = None) -> "Allocation":
+        """From per-row [B][L] counts and bounds; `data` is already [L][B]."""
+        counts_lb = by_layer(counts)
+        compressed = tuple(tuple(c < t for c, t in zip(row, lengths)) for row in counts_lb)
+        if data is not None:
+            compressed = tuple(tuple(a or b for a, b in zip(r, d)) for r, d in zip(compressed, data.compressed))
+        return cls(counts_lb, by_layer(bound), compressed, data)
 
-def _transpose(rows: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    """[B][L] -> [L][B] tuples."""
-    return tuple(tuple(int(x) for x in col) for col in zip(*rows))
-
-
-def _make(counts_bl, extra_bl, bound_bl, lengths) -> Allocation:
-    counts, extra, bound = _transpose(counts_bl), _transpose(extra_bl), _transpose(bound_bl)
-    evicts = any(c < t for row, t in zip(counts_bl, lengths) for c in row) or any(
-        e >= 0 for row in extra_bl for e in row
-    )
-    return Allocation(counts, extra, bound, evicts)
+    @property
+    def evicts(self) -> bool:
+        """Whether prefill evicts anything."""
+        return any(any(row) for row in self.compressed)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -63,17 +107,9 @@ class Allocator:
     def requirements(self) -> Requirements:
         return Requirements()
 
-    def allocate(
-        self,
-        lengths: Sequence[int],
-        num_layers: int,
-        num_kv_heads: int,
-        *,
-        budget: int | None,
-        ratio: float | None,
-        protect: int,
-        compat: str,
-    ) -> Allocation:
+    def allocate(self, req: PlanRequest, *, protect: int, compat: str) -> Allocation:
+        """The host plan for `req`; `protect`: protected prompt tokens per row (window, sinks),
+        counted inside the budget; `compat`: the kvpress version whose arithmetic to follow."""
         raise NotImplementedError
 
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
@@ -89,19 +125,9 @@ class Allocator:
 class Uniform(Allocator):
     """Every layer and head keeps min(C, T) (or kvpress's int(T(1-r)) for a ratio)."""
 
-    def allocate(
-        self,
-        lengths: Sequence[int],
-        num_layers: int,
-        num_kv_heads: int,
-        *,
-        budget: int | None,
-        ratio: float | None,
-        protect: int,
-        compat: str,
-    ) -> Allocation:
-        rows = [[min(c, t)] * num_layers for c, t in zip(row_budgets(lengths, budget, ratio, compat), lengths)]
-        return _make(rows, [[-1] * num_layers for _ in lengths], rows, lengths)
+    def allocate(self, req: PlanRequest, *, protect: int, compat: str) -> Allocation:
+        rows = [[min(c, t)] * req.num_layers for c, t in zip(req.row_budgets(compat), req.lengths)]
+        return Allocation.from_rows(req.lengths, rows, rows)
 
 
 # ----------------------------------------------------------------------------- pyramid
@@ -152,25 +178,15 @@ class Pyramid(Allocator):
         check_int("beta", self.beta, 1)
         check_choice("rule", self.rule, RULES)
 
-    def allocate(
-        self,
-        lengths: Sequence[int],
-        num_layers: int,
-        num_kv_heads: int,
-        *,
-        budget: int | None,
-        ratio: float | None,
-        protect: int,
-        compat: str,
-    ) -> Allocation:
+    def allocate(self, req: PlanRequest, *, protect: int, compat: str) -> Allocation:
         rows = []
-        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
+        for t, c in zip(req.lengths, req.row_budgets(compat)):
             if self.rule == "paper":
-                rows.append(pyramid_paper(t, c, protect, num_layers, self.beta))
+                rows.append(pyramid_paper(t, c, protect, req.num_layers, self.beta))
             else:
-                k = t * (1 - ratio) if ratio is not None else float(budget)
-                rows.append(pyramid_kvpress(t, k, protect, num_layers, self.beta))
-        return _make(rows, [[-1] * num_layers for _ in lengths], rows, lengths)
+                k = t * (1 - req.ratio) if req.ratio is not None else float(req.budget)
+                rows.append(pyramid_kvpress(t, k, protect, req.num_layers, self.beta))
+        return Allocation.from_rows(req.lengths, rows, rows)
 
 
 # ----------------------------------------------------------------------------- Ada-KV
@@ -218,60 +234,54 @@ class Ada(Allocator):
         if self.rule == "kvpress" and (self.normalize or self.skip or self.pyramid_beta is not None):
             raise ValueError("normalize, skip and pyramid_beta belong to rule='paper'; AdaKVPress has none of them")
 
-    def allocate(
-        self,
-        lengths: Sequence[int],
-        num_layers: int,
-        num_kv_heads: int,
-        *,
-        budget: int | None,
-        ratio: float | None,
-        protect: int,
-        compat: str,
-    ) -> Allocation:
-        w, H = protect, num_kv_heads
-        counts, extra, bound = [], [], []
-        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
-            rc, re, rb = [], [], []
+    def allocate(self, req: PlanRequest, *, protect: int, compat: str) -> Allocation:
+        w, H, L = protect, req.num_kv_heads, req.num_layers
+        counts, bound, floors, compressed = [], [], [], []
+        for t, c in zip(req.lengths, req.row_budgets(compat)):
+            rc, rb, rf, rz = [], [], [], []
             if self.rule == "kvpress":
                 n_kept = min(c, t)
                 n_safe = int(n_kept * self.alpha)
                 if compat != "0.5.4" and n_kept > 0:
                     n_safe = max(1, n_safe)
                 compress = n_kept < t
-                rc, re = [n_kept] * num_layers, [n_safe if compress else -1] * num_layers
-                rb = [min(t, n_safe + H * (n_kept - n_safe)) if compress else t] * num_layers
+                rc, rf, rz = [n_kept] * L, [n_safe if compress else 0] * L, [compress] * L
+                rb = [min(t, n_safe + H * (n_kept - n_safe)) if compress else t] * L
             else:
                 if c > t:  # §1.1: Ada-KV leaves the prompt whole when C - w > T - w
-                    bases = [t] * num_layers
+                    bases = [t] * L
                 elif self.pyramid_beta is not None:
-                    bases = ada_pyramid_base(t, c - w, w, num_layers, self.pyramid_beta)
+                    bases = ada_pyramid_base(t, c - w, w, L, self.pyramid_beta)
                 else:
-                    bases = [c - w] * num_layers
+                    bases = [c - w] * L
                 for l, bp in enumerate(bases):
                     if bp > t - w:  # no compression
-                        rc.append(t), re.append(-1), rb.append(t)
+                        rc.append(t), rf.append(0), rz.append(False), rb.append(t)
                         continue
                     floor = int(bp * self.alpha)
-                    rc.append(bp + w), re.append(floor)
+                    # a negative floor (a budget below the window, under a scorer's rule="kvpress")
+                    # leaves the layer whole, as the -1 "not compressed" marker this replaced did
+                    rc.append(bp + w), rf.append(max(floor, 0)), rz.append(floor >= 0)
                     if l < self.skip:
                         rb.append(bp + w)
                     else:
                         most = min(t - w, H * bp) * (1 - self.alpha) + floor
                         rb.append(min(t, w + math.ceil(most)))
-            counts.append(rc), extra.append(re), bound.append(rb)
-        return _make(counts, extra, bound, lengths)
+            counts.append(rc), bound.append(rb), floors.append(rf), compressed.append(rz)
+        data = AdaData(compressed=by_layer(compressed, bool), floor=by_layer(floors))
+        return Allocation.from_rows(req.lengths, counts, bound, data)
 
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
         L, B, H, C = cache.valid.shape
-        counts, extra = as_i32(plan.counts), as_i32(plan.extra)
+        data: AdaData = plan.alloc
+        counts, floor = as_i32(plan.counts), as_i32(data.floor)
         lengths = as_i32(plan.lengths)
-        compress = extra >= 0
+        compress = as_bool(data.compressed)
         valid, pos, prot = cache.valid, cache.pos, scored.protected & cache.valid
         s = scored.scores.astype(jnp.float32)
         flat = lambda x: x.reshape(L, B, H * C)  # noqa: E731  (head-major, so ties go to lower heads)
         if self.rule == "kvpress":
-            n_kept, n_safe = counts, jnp.maximum(extra, 0)
+            n_kept, n_safe = counts, floor
             r_head = rank(s, valid, pos=pos, protected=prot)
             rest = valid & (r_head >= n_safe[:, :, None, None])
             r_glob = rank(flat(s), flat(rest), pos=flat(pos), protected=flat(prot))
@@ -285,7 +295,7 @@ class Ada(Allocator):
                 s = s * _top_share(s, cand, bp)
             r_glob = rank(flat(s), flat(cand), pos=flat(pos))
             chosen = (flat(cand) & (r_glob < (H * bp)[..., None])).reshape(L, B, H, C).sum(-1)
-            caps = jnp.round(chosen.astype(jnp.float32) * jnp.float32(1 - self.alpha) + extra[..., None])
+            caps = jnp.round(chosen.astype(jnp.float32) * jnp.float32(1 - self.alpha) + floor[..., None])
             caps = caps.astype(jnp.int32)
             skipped = (jnp.arange(L) < self.skip)[:, None, None]
             caps = jnp.where(skipped, bp[..., None], caps)
@@ -326,20 +336,10 @@ class Global(Allocator):
             raise TypeError(f"across_layers must be a bool, got {self.across_layers!r}")
         check_choice("rounding", self.rounding, ("kept", "pruned"))
 
-    def allocate(
-        self,
-        lengths: Sequence[int],
-        num_layers: int,
-        num_kv_heads: int,
-        *,
-        budget: int | None,
-        ratio: float | None,
-        protect: int,
-        compat: str,
-    ) -> Allocation:
-        w, H, L = protect, num_kv_heads, num_layers
-        counts, extra, bound = [], [], []
-        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
+    def allocate(self, req: PlanRequest, *, protect: int, compat: str) -> Allocation:
+        w, H, L, ratio = protect, req.num_kv_heads, req.num_layers, req.ratio
+        counts, bound, totals, compressed = [], [], [], []
+        for t, c in zip(req.lengths, req.row_budgets(compat)):
             n_kept = min(c, t)
             scale = H * (L if self.across_layers else 1)
             if ratio is None:
@@ -349,17 +349,18 @@ class Global(Allocator):
             else:
                 total = scale * t - int(scale * t * ratio)
             if n_kept >= t:
-                counts.append([t] * L), extra.append([-1] * L), bound.append([t] * L)
+                counts.append([t] * L), bound.append([t] * L), totals.append([0] * L), compressed.append([False] * L)
                 continue
             most = t if self.across_layers else min(t, total - (H - 1) * min(w, n_kept))
-            counts.append([n_kept] * L), extra.append([total] * L), bound.append([max(most, n_kept)] * L)
-        tr = lambda rows: tuple(tuple(col) for col in zip(*rows))  # noqa: E731  [B][L] -> [L][B]
-        evicts = any(e >= 0 for row in extra for e in row)
-        return Allocation(tr(counts), tr(extra), tr(bound), evicts)
+            counts.append([n_kept] * L), bound.append([max(most, n_kept)] * L)
+            totals.append([total] * L), compressed.append([True] * L)
+        data = GlobalData(compressed=by_layer(compressed, bool), group_total=by_layer(totals))
+        return Allocation.from_rows(req.lengths, counts, bound, data)
 
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
         L, B, H, C = cache.valid.shape
-        nominal, total, lengths = as_i32(plan.counts), as_i32(plan.extra), as_i32(plan.lengths)
+        data: GlobalData = plan.alloc
+        nominal, total, lengths = as_i32(plan.counts), as_i32(data.group_total), as_i32(plan.lengths)
         valid, prot = cache.valid, scored.protected & cache.valid
         forced = prot.sum(-1)  # [L,B,H]
         rest = valid & ~prot
@@ -375,7 +376,7 @@ class Global(Allocator):
             r = rank(flat(scored.scores), flat(rest), pos=flat(cache.pos))
             chosen = (flat(rest) & (r < left[..., None])).reshape(L, B, H, C).sum(-1)
         counts = jnp.where((nominal <= protect)[..., None], nominal[..., None], forced + chosen)
-        return jnp.where((total >= 0)[..., None], counts, lengths[None, :, None]).astype(jnp.int32)
+        return jnp.where(as_bool(data.compressed)[..., None], counts, lengths[None, :, None]).astype(jnp.int32)
 
 
 
@@ -468,36 +469,29 @@ class Cake(Allocator):
             return length - protect
         return min(length - protect, self.cap_factor * (budget - protect))
 
-    def allocate(
-        self,
-        lengths: Sequence[int],
-        num_layers: int,
-        num_kv_heads: int,
-        *,
-        budget: int | None,
-        ratio: float | None,
-        protect: int,
-        compat: str,
-    ) -> Allocation:
-        counts, extra, bound = [], [], []
-        for t, c in zip(lengths, row_budgets(lengths, budget, ratio, compat)):
+    def allocate(self, req: PlanRequest, *, protect: int, compat: str) -> Allocation:
+        L = req.num_layers
+        counts, bound, clips, compressed = [], [], [], []
+        for t, c in zip(req.lengths, req.row_budgets(compat)):
             if t <= c + protect:
-                counts.append([t] * num_layers), extra.append([-1] * num_layers), bound.append([t] * num_layers)
+                counts.append([t] * L), bound.append([t] * L), clips.append([0] * L), compressed.append([False] * L)
             else:
                 clip = self.clip_bound(t, c, protect)
-                counts.append([c] * num_layers), extra.append([clip] * num_layers)
-                bound.append([clip + protect] * num_layers)
-        return _make(counts, extra, bound, lengths)
+                counts.append([c] * L), bound.append([clip + protect] * L)
+                # a negative clip (a budget below the window, under a scorer's rule="kvpress") leaves
+                # the row whole, as the -1 "not compressed" marker this replaced did
+                clips.append([max(clip, 0)] * L), compressed.append([clip >= 0] * L)
+        data = CakeData(compressed=by_layer(compressed, bool), clip=by_layer(clips))
+        return Allocation.from_rows(req.lengths, counts, bound, data)
 
     def layer_budgets(self, plan: Plan, log_pref: jax.Array, protect: int) -> jax.Array:
         """Non-window budget per (layer, row) [L,B] int32 before clipping (the cakekv b_l)."""
         L = log_pref.shape[0]
         # per-row constants (min/max over layers, in case a scorer left some layers whole)
-        nominal, clip = as_i32(plan.counts).min(0), as_i32(plan.extra).max(0)
+        nominal, bound = as_i32(plan.counts).min(0), as_i32(plan.alloc.clip).max(0)
         total = (nominal - protect) * L
         lp = jnp.where(jnp.isnan(log_pref), -jnp.inf, log_pref)
         lp = jnp.where(jnp.isfinite(lp).any(0, keepdims=True), lp, 0.0)  # all-degenerate row: uniform
-        bound = jnp.maximum(clip, 0)
         if not self.cascade:
             share = jax.nn.softmax(lp, axis=0)
             return cake_adjust_budgets(share * total[None].astype(jnp.float32), total, bound)
@@ -509,7 +503,7 @@ class Cake(Allocator):
         return out
 
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
-        log_pref = scored.aux.get("cake_log_pref")
+        log_pref = scored.layer_log_pref
         if log_pref is None:
             lengths = as_i32(plan.lengths)
             scale = attention_scale(obs, cache.k.shape[-1], True)
@@ -518,6 +512,7 @@ class Cake(Allocator):
         return self.kept_from_budgets(plan, self.layer_budgets(plan, log_pref, protect), scored.protected, cache)
 
     def kept_from_budgets(self, plan: Plan, budgets: jax.Array, protected: jax.Array, cache: KVCache) -> jax.Array:
-        clip, lengths = as_i32(plan.extra), as_i32(plan.lengths)
-        kept = jnp.clip(budgets, 0, jnp.maximum(clip, 0))[..., None] + (protected & cache.valid).sum(-1)
-        return jnp.where((clip >= 0)[..., None], kept, lengths[None, :, None]).astype(jnp.int32)
+        data: CakeData = plan.alloc
+        clip, lengths = as_i32(data.clip), as_i32(plan.lengths)
+        kept = jnp.clip(budgets, 0, clip)[..., None] + (protected & cache.valid).sum(-1)
+        return jnp.where(as_bool(data.compressed)[..., None], kept, lengths[None, :, None]).astype(jnp.int32)

@@ -63,18 +63,41 @@ class Requirements:
 
 
 @struct.dataclass(frozen=True, kw_only=True)
+class AllocData:
+    """Base of an allocator's plan data (`Plan.alloc`): named [L][B] tuples, leaves of the plan's pytree.
+
+    compressed: [L][B] bool, whether the allocator compresses (layer, row) at all; where False the
+      row keeps its whole prompt in that layer and the subclass's other fields there are 0.
+    """
+
+    compressed: tuple[tuple[bool, ...], ...] = ()
+
+
+@struct.dataclass
+class DecodeState:
+    """Base of a decode-time policy's state, carried through the decode loop (a pytree of arrays).
+
+    Policies that carry nothing between steps (StreamingLLM, TOVA, prefill-only ones) use this empty
+    one; the others subclass it with one named field per array (`H2OState`, `LazyState`, `CakeState`).
+    """
+
+
+@struct.dataclass(frozen=True, kw_only=True)
 class Plan:
     """Host-side decisions for one batch: hashable (a jit static argument) and a pytree.
 
-    The integer tuples are pytree leaves, so the plan may also be passed to `jit` as a traced
-    argument (one compile per bucket instead of per length tuple); `capacity`, `compact` and
+    The integer (and bool) tuples are pytree leaves, so the plan may also be passed to `jit` as a
+    traced argument (one compile per bucket instead of per length tuple); `capacity`, `compact` and
     `max_new_tokens` are static metadata either way.
 
     lengths:       [B] real prompt lengths T_b.
     counts:        [L][B] prompt tokens kept per KV head, protected tokens included. Exact for
                    uniform and per-layer budgets; the nominal per-head average for head- or
-                   data-adaptive allocators (Ada-KV, CAKE).
-    extra:         [L][B] allocator data (Ada-KV floor, CAKE clip bound; -1 = no compression).
+                   data-adaptive allocators (Ada-KV, Global, CAKE), which read `alloc` as well.
+    alloc:         the allocator's own data (`AdaData`, `GlobalData`, `CakeData` in `allocators`),
+                   None for the static allocators (Uniform, Pyramid) and for policies without one.
+                   One typed field rather than one optional field per meaning on Plan: a new
+                   allocator defines its own struct without changing Plan, which every policy reads.
     decode_budget: [B] per-head entries kept after each decode-time eviction (() if none).
     capacity:      slots per (layer, row, head) the cache needs after prefill, decode room included.
     compact:       False when prefill evicts nothing (keep == valid), so the gather may be skipped.
@@ -82,7 +105,7 @@ class Plan:
 
     lengths: tuple[int, ...]
     counts: tuple[tuple[int, ...], ...]
-    extra: tuple[tuple[int, ...], ...] = ()
+    alloc: AllocData | None = None
     decode_budget: tuple[int, ...] = ()
     capacity: int = struct.field(pytree_node=False, default=0)
     compact: bool = struct.field(pytree_node=False, default=True)
@@ -92,6 +115,11 @@ class Plan:
 def as_i32(x: Any) -> jax.Array:
     """A plan field (static tuple or traced leaves) as an int32 array."""
     return jnp.asarray(x, dtype=jnp.int32)
+
+
+def as_bool(x: Any) -> jax.Array:
+    """A bool plan field (static tuple or traced leaves) as a bool array."""
+    return jnp.asarray(x, dtype=jnp.bool_)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -178,16 +206,18 @@ class Policy:
     def build_plan(self, req: "PlanRequest") -> Plan:
         raise NotImplementedError
 
-    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, DecodeState | None]:
+        """keep [L,B,Hkv,C] bool, and per-slot state ([L,B,Hkv,C] leaves, moved with the slots by
+        the compaction) for `init_decode`, or None."""
         raise NotImplementedError
 
-    def init_decode(self, plan: Plan, cache: KVCache, slot_state: Any) -> Any:
+    def init_decode(self, plan: Plan, cache: KVCache, slot_state: DecodeState | None) -> DecodeState:
         """Decode state after compaction; prefill-only policies carry none."""
-        return ()
+        return DecodeState()
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
-    ) -> tuple[Any, jax.Array]:
+        self, plan: Plan, state: DecodeState, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
+    ) -> tuple[DecodeState, jax.Array]:
         """Prefill-only policies never evict during decoding."""
         return state, cache.valid
 
@@ -201,7 +231,7 @@ class Policy:
 
 def compress_prefill(
     policy: Policy, plan: Plan, cache: KVCache, obs: Observations, *, capacity: int
-) -> tuple[KVCache, Any]:
+) -> tuple[KVCache, DecodeState]:
     """The prefill eviction sequence on a full cache: the policy's keep mask, the compacted (or
     masked) cache, its per-slot state moved with the slots, and the policy's decode state.
 
@@ -324,7 +354,7 @@ class PlanRequest:
         *,
         capacity: int,
         evicts: bool,
-        extra: Sequence[Sequence[int]] = (),
+        alloc: AllocData | None = None,
         decode_budget: Sequence[int] = (),
     ) -> Plan:
         """Builds the Plan. No head ever holds more than max(T) + max_new_tokens entries, so the
@@ -335,7 +365,7 @@ class PlanRequest:
         return Plan(
             lengths=self.lengths,
             counts=tuple(tuple(int(c) for c in row) for row in counts),
-            extra=tuple(tuple(int(c) for c in row) for row in extra),
+            alloc=alloc,
             decode_budget=tuple(int(c) for c in decode_budget),
             capacity=int(capacity),
             compact=bool(evicts or capacity < prefill_slots),

@@ -54,4 +54,4 @@ class Random(PrefillPolicy):
         layer = jnp.arange(L)[:, None, None, None]
         head = jnp.arange(H)[None, None, :, None]
         s = hash_uniform(self.seed, layer, head, jnp.maximum(cache.pos, 0))
-        return Scored(jnp.where(cache.valid, s, 0.0), jnp.zeros_like(cache.valid), {})
+        return Scored(jnp.where(cache.valid, s, 0.0), jnp.zeros_like(cache.valid))

@@ -1,4 +1,7 @@
-"""CAKE: layer budgets from attention dispersion and shift, mean + gamma*variance indicator (policies.md §8)."""
+"""CAKE: layer budgets from attention dispersion and shift, mean + gamma*variance indicator (policies.md §8).
+
+Shapes: L layers, B rows, Hkv KV heads, C slots; the decode state is `CakeState` (limit [L,B]).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from kvjax.cache import KVCache
 from kvjax.observations import Observations, ObservationSpec
@@ -19,6 +23,7 @@ from kvjax.policies.allocators import (
     cake_statistics,
 )
 from kvjax.policies.base import (
+    DecodeState,
     Plan,
     PlanRequest,
     Requirements,
@@ -42,6 +47,14 @@ CAKE_TAUS = {
 }
 
 POOL_KERNEL = 5  # avg-pool kernel, hard-coded in cakekv
+
+
+@struct.dataclass
+class CakeState(DecodeState):
+    """CAKE's decode state. limit: [L,B] int32 entries a head of (layer, row) keeps after each
+    decode-time eviction (hh_l + w)."""
+
+    limit: jax.Array
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -110,7 +123,7 @@ class CAKE(PrefillPolicy):
         decode_budget, peak = [], 0
         layers = range(req.num_layers)
         for b, (t, c) in enumerate(zip(req.lengths, req.row_budgets(self.kvpress_compat))):
-            if any(alloc.counts[l][b] < t or alloc.extra[l][b] >= 0 for l in layers):
+            if any(alloc.compressed[l][b] for l in layers):
                 decode_budget.append(-1)
                 peak = max(peak, max(alloc.bound[l][b] for l in layers))
             else:
@@ -118,7 +131,7 @@ class CAKE(PrefillPolicy):
                 peak = max(peak, t, c)
         return req.finish(
             alloc.counts,
-            extra=alloc.extra,
+            alloc=alloc.data,
             decode_budget=decode_budget,
             capacity=peak + 1 + req.question_tokens,
             evicts=alloc.evicts,
@@ -129,27 +142,27 @@ class CAKE(PrefillPolicy):
         scale = attention_scale(obs, cache.k.shape[-1], self.use_model_scale)
         ent, var_sum, mean, var, cand = cake_statistics(obs, cache, lengths, self.window, scale)
         ind = pool1d(mean + self.gamma * var, cand[:, :, :, None], POOL_KERNEL, "avg").mean(3)
-        aux = {}
+        log_pref = None
         alloc = self.budget_allocator()
         if isinstance(alloc, Cake) and alloc.window == self.window:
-            aux["cake_log_pref"] = cake_log_preference(ent, var_sum, alloc.tau1, alloc.tau2)
+            log_pref = cake_log_preference(ent, var_sum, alloc.tau1, alloc.tau2)
         prot = window_protected(cache.pos, cache.valid, lengths, self.window)
-        return Scored(jnp.where(cand, ind, 0.0), prot, aux)
+        return Scored(jnp.where(cand, ind, 0.0), prot, layer_log_pref=log_pref)
 
-    def init_decode(self, plan: Plan, cache: KVCache, slot_state: Any) -> Any:
+    def init_decode(self, plan: Plan, cache: KVCache, slot_state: DecodeState | None) -> DecodeState:
         """hh_l + w per (layer, row): the entries kept after prefill, or C where nothing was evicted."""
         if not self.decode:
-            return ()
+            return DecodeState()
         fixed = as_i32(plan.decode_budget)[None, :]
         kept = cache.valid.sum(-1)[:, :, 0].astype(jnp.int32)
-        return {"limit": jnp.where(fixed >= 0, fixed, kept)}
+        return CakeState(limit=jnp.where(fixed >= 0, fixed, kept))
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
-    ) -> tuple[Any, jax.Array]:
+        self, plan: Plan, state: DecodeState, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
+    ) -> tuple[DecodeState, jax.Array]:
         if not self.decode:
             return state, cache.valid
-        limit = state["limit"][..., None]  # [L,B,1]
+        limit = state.limit[..., None]  # [L,B,1]
         valid, pos, w = cache.valid, cache.pos, self.window
         over = jnp.any(valid.sum(-1) > limit)
 

@@ -14,7 +14,6 @@ v_j W_o^h once per prompt key in `extend`), so the policy never reads model weig
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -97,7 +96,7 @@ class CriticalKV(PrefillPolicy):
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations) -> jax.Array:
         return self.scorer.head_counts(plan, scored, cache, obs)
 
-    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, None]:
         scored = self.score(plan, cache, obs)
         counts = self.head_counts(plan, scored, cache, obs)
         norms = require_output_norms(obs, "CriticalKV")

@@ -152,4 +152,4 @@ class DefensiveKV(PrefillPolicy):
         cap = as_i32(plan.counts) - w
         first = stage_one(ave, cand, cache.pos, STAGE1_MASS - bias, cap)
         prot = window_protected(cache.pos, cache.valid, lengths, w) | first
-        return Scored(jnp.where(cand, s, 0.0), prot, {})
+        return Scored(jnp.where(cand, s, 0.0), prot)

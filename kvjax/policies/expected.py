@@ -104,4 +104,4 @@ class ExpectedAttention(PrefillPolicy):
         if self.use_vnorm:
             vn = jnp.sqrt(jnp.sum(jnp.square(cache.v.astype(jnp.float32)), -1))
             s = (s + jnp.float32(self.epsilon)) * vn
-        return Scored(jnp.where(cand, s, 0.0), cache.valid & sink, {})
+        return Scored(jnp.where(cand, s, 0.0), cache.valid & sink)

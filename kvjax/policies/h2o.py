@@ -1,16 +1,20 @@
-"""H2O: heavy hitters by accumulated attention plus a recent window (policies.md §3)."""
+"""H2O: heavy hitters by accumulated attention plus a recent window (policies.md §3).
+
+Shapes: L layers, B rows, Hkv KV heads, C slots; the decode state is `H2OState` (acc [L,B,Hkv,C]).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from kvjax.cache import KVCache
 from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.base import (
+    DecodeState,
     Plan,
     PlanRequest,
     Policy,
@@ -24,6 +28,14 @@ from kvjax.policies.base import (
 )
 from kvjax.policies.prefill import PrefillPolicy
 from kvjax.policies.scoring import Scored
+
+
+@struct.dataclass
+class H2OState(DecodeState):
+    """H2O's per-slot state. acc: [L,B,Hkv,C] float32 attention mass accumulated by each cached
+    entry (0 on free slots); prefill hands it over per slot, moved with the compaction."""
+
+    acc: jax.Array
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -61,7 +73,7 @@ class H2OPrefill(PrefillPolicy):
         if self.normalize:
             s = s / jnp.maximum(t - cache.pos, 1).astype(jnp.float32)
         cand = cache.valid & (cache.pos < t - self.window)
-        return Scored(jnp.where(cand, s, 0.0), window_protected(cache.pos, cache.valid, lengths, self.window), {})
+        return Scored(jnp.where(cand, s, 0.0), window_protected(cache.pos, cache.valid, lengths, self.window))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -91,42 +103,45 @@ class H2O(Policy):
     def build_plan(self, req: PlanRequest) -> Plan:
         lengths, num_layers = req.lengths, req.num_layers
         budgets = req.row_budgets(self.kvpress_compat)
-        recents = []
         for b, c in enumerate(budgets):
             r = c // 2 if self.recent is None else self.recent
             if c <= r:
                 raise ValueError(f"H2O: row {b} has budget {c}, which must exceed recent={r} (heavy hitters hh >= 1)")
-            recents.append(r)
         counts = [[min(c, t) for c, t in zip(budgets, lengths)]] * num_layers
         return req.finish(
             counts,
-            extra=[recents] * num_layers,
             decode_budget=budgets,
             capacity=max(budgets) + 1 + req.question_tokens,
             evicts=any(c < t for c, t in zip(budgets, lengths)),
         )
 
+    def recent_counts(self, plan: Plan) -> jax.Array | int:
+        """Newest entries each head keeps: `recent`, or half of each row's budget ([B])."""
+        if self.recent is not None:
+            return self.recent
+        return as_i32(plan.decode_budget) // 2
+
     def _keep(self, plan: Plan, acc: jax.Array, cache: KVCache, counts: jax.Array) -> jax.Array:
-        recent = recent_mask(cache.pos, cache.valid, as_i32(plan.extra)[..., None])
+        recent = recent_mask(cache.pos, cache.valid, jnp.reshape(self.recent_counts(plan), (1, -1, 1)))
         return select(acc, cache.valid, counts, pos=cache.pos, protected=recent)
 
-    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, H2OState]:
         acc = jnp.where(cache.valid, obs.column_mass.astype(jnp.float32), 0.0)
         keep = self._keep(plan, acc, cache, as_i32(plan.counts)[..., None])
-        return keep, {"acc": acc}
+        return keep, H2OState(acc=acc)
 
-    def init_decode(self, plan: Plan, cache: KVCache, slot_state: Any) -> Any:
-        return {"acc": jnp.where(cache.valid, slot_state["acc"], 0.0)}
+    def init_decode(self, plan: Plan, cache: KVCache, slot_state: H2OState) -> H2OState:
+        return H2OState(acc=jnp.where(cache.valid, slot_state.acc, 0.0))
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
-    ) -> tuple[Any, jax.Array]:
+        self, plan: Plan, state: H2OState, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
+    ) -> tuple[H2OState, jax.Array]:
         """acc += group sum of step_probs [L,B,Hkv,G,C]; evict down to budget where over it."""
         fresh = jnp.arange(cache.valid.shape[-1]) == written[..., None]
-        acc = jnp.where(fresh, 0.0, state["acc"]) + step_probs.astype(jnp.float32).sum(3)
+        acc = jnp.where(fresh, 0.0, state.acc) + step_probs.astype(jnp.float32).sum(3)
         acc = jnp.where(cache.valid, acc, 0.0)
         budget = as_i32(plan.decode_budget)[None, :, None]
         over = jnp.any(cache.valid.sum(-1) > budget)
         keep = jax.lax.cond(over, lambda: self._keep(plan, acc, cache, budget), lambda: cache.valid)
-        return {"acc": jnp.where(keep, acc, 0.0)}, keep
+        return H2OState(acc=jnp.where(keep, acc, 0.0)), keep
 

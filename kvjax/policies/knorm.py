@@ -38,12 +38,13 @@ class KNorm(PrefillPolicy):
     def allocate(self, req: PlanRequest) -> Allocation:
         alloc = super().allocate(req)
         kept = [l not in self.skip_layers for l in range(req.num_layers)]
-        counts = tuple(r if k else req.lengths for r, k in zip(alloc.counts, kept))
-        bound = tuple(r if k else req.lengths for r, k in zip(alloc.bound, kept))
-        evicts = any(c < t for row in counts for c, t in zip(row, req.lengths)) or any(
-            e >= 0 for row, k in zip(alloc.extra, kept) if k for e in row
+        whole = (False,) * len(req.lengths)
+        return dataclasses.replace(
+            alloc,
+            counts=tuple(r if k else req.lengths for r, k in zip(alloc.counts, kept)),
+            bound=tuple(r if k else req.lengths for r, k in zip(alloc.bound, kept)),
+            compressed=tuple(r if k else whole for r, k in zip(alloc.compressed, kept)),
         )
-        return Allocation(counts, alloc.extra, bound, evicts)
 
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations) -> jax.Array:
         counts = super().head_counts(plan, scored, cache, obs)
@@ -53,4 +54,4 @@ class KNorm(PrefillPolicy):
     def score(self, plan: Plan, cache: KVCache, obs: Observations) -> Scored:
         k = cache.k.astype(jnp.float32)
         s = -jnp.sqrt(jnp.sum(k * k, axis=-1))
-        return Scored(jnp.where(cache.valid, s, 0.0), jnp.zeros_like(cache.valid), {})
+        return Scored(jnp.where(cache.valid, s, 0.0), jnp.zeros_like(cache.valid))

@@ -102,4 +102,4 @@ class KVzip(PrefillPolicy):
                              "which the engine's prefill records")
         sink = cache.valid & (cache.pos < self.n_sink)
         s = jnp.where(cache.valid & ~sink, obs.reconstruction.astype(jnp.float32), 0.0)
-        return Scored(s, sink, {})
+        return Scored(s, sink)

@@ -1,16 +1,20 @@
-"""LazyEviction: recurrence-interval tracking with lagged eviction every W steps (policies.md §10)."""
+"""LazyEviction: recurrence-interval tracking with lagged eviction every W steps (policies.md §10).
+
+Shapes: L layers, B rows, Hkv KV heads, C slots; the decode state is `LazyState` (ts, mri [L,B,Hkv,C]).
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 from kvjax.cache import KVCache
 from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.base import (
+    DecodeState,
     Plan,
     PlanRequest,
     Policy,
@@ -23,6 +27,15 @@ from kvjax.policies.base import (
 )
 
 EPS = 1e-5
+
+
+@struct.dataclass
+class LazyState(DecodeState):
+    """LazyEviction's per-slot state, [L,B,Hkv,C] int32. ts: the step of the entry's last activation
+    (its write step - 1 until then); mri: its largest recurrence interval so far (0 until re-activated)."""
+
+    ts: jax.Array
+    mri: jax.Array
 
 
 def lazy_priority(t: jax.Array, ts: jax.Array, mri: jax.Array) -> jax.Array:
@@ -77,20 +90,20 @@ class LazyEviction(Policy):
             evicts=False,
         )
 
-    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, None]:
         return cache.valid, None
 
-    def init_decode(self, plan: Plan, cache: KVCache, slot_state: Any) -> Any:
+    def init_decode(self, plan: Plan, cache: KVCache, slot_state: None) -> LazyState:
         zeros = jnp.zeros(cache.valid.shape, jnp.int32)
-        return {"ts": zeros, "mri": zeros}
+        return LazyState(ts=zeros, mri=zeros)
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
-    ) -> tuple[Any, jax.Array]:
+        self, plan: Plan, state: LazyState, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
+    ) -> tuple[LazyState, jax.Array]:
         t = jnp.asarray(t, jnp.int32)
         fresh = jnp.arange(cache.valid.shape[-1]) == written[..., None]
-        ts = jnp.where(fresh, t - 1, state["ts"])
-        mri = jnp.where(fresh, 0, state["mri"])
+        ts = jnp.where(fresh, t - 1, state.ts)
+        mri = jnp.where(fresh, 0, state.mri)
         act = cache.valid & (step_probs.max(3) >= self.alpha)
         ts_new = jnp.where(act, t, ts)
         mri = jnp.maximum(mri, ts_new - ts)
@@ -104,4 +117,4 @@ class LazyEviction(Policy):
 
         due = (t % self.window == 0) & jnp.any(cache.valid.sum(-1) > budget)
         keep = jax.lax.cond(due, evict, lambda: cache.valid)
-        return {"ts": ts, "mri": mri}, keep
+        return LazyState(ts=ts, mri=mri), keep

@@ -102,4 +102,4 @@ class LookaheadKV(PrefillPolicy):
         s = pool1d(s, cand, conf.kernel, "none" if conf.pooling is None else conf.pooling)
         s = jnp.where(cand, s, 0.0)
         protected = window_protected(cache.pos, cache.valid, lengths, w) if w else jnp.zeros_like(cache.valid)
-        return Scored(s, protected, {})
+        return Scored(s, protected)

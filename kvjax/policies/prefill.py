@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
 import jax
 
 from kvjax.cache import KVCache
 from kvjax.observations import Observations
 from kvjax.policies.allocators import RULES, Allocation, Allocator, Uniform
 from kvjax.policies.base import (
+    DecodeState,
     Plan,
     PlanRequest,
     Policy,
@@ -79,15 +78,7 @@ class PrefillPolicy(Policy):
             budgets = req.row_budgets(self.kvpress_compat)
             check_protected(type(self).__name__, budgets, req.lengths, protect, ratio=req.ratio,
                             compat=self.kvpress_compat)
-        return self.budget_allocator().allocate(
-            req.lengths,
-            req.num_layers,
-            req.num_kv_heads,
-            budget=req.budget,
-            ratio=req.ratio,
-            protect=protect,
-            compat=self.kvpress_compat,
-        )
+        return self.budget_allocator().allocate(req, protect=protect, compat=self.kvpress_compat)
 
     def build_plan(self, req: PlanRequest) -> Plan:
         self.check_lengths(req.lengths)
@@ -96,13 +87,13 @@ class PrefillPolicy(Policy):
     def finish_plan(self, req: PlanRequest, alloc: Allocation) -> Plan:
         """Prefill-only: room for the largest kept set plus every new token."""
         kept = max(max(row) for row in alloc.bound)
-        return req.finish(alloc.counts, extra=alloc.extra, capacity=kept + req.max_new_tokens, evicts=alloc.evicts)
+        return req.finish(alloc.counts, alloc=alloc.data, capacity=kept + req.max_new_tokens, evicts=alloc.evicts)
 
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations) -> jax.Array:
         """Kept entries per (layer, row, head) [L,B,Hkv] int32, protected tokens included."""
         return self.budget_allocator().head_counts(plan, scored, cache, obs, self.protected_count())
 
-    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, DecodeState | None]:
         """keep [L,B,Hkv,C] bool: per head the protected slots, then the best-scored ones."""
         scored = self.score(plan, cache, obs)
         counts = self.head_counts(plan, scored, cache, obs)

@@ -95,10 +95,14 @@ def pool1d(x: jax.Array, region: jax.Array, kernel: int, kind: str) -> jax.Array
 
 
 class Scored(NamedTuple):
-    """A prefill scorer's output. scores: float32 [L,B,Hkv,C], higher = keep (only candidate slots
-    matter); protected: bool [L,B,Hkv,C] slots kept first (window, sinks); aux: extra arrays
-    (e.g. CAKE's layer preference) that an allocator may reuse."""
+    """A prefill scorer's output.
+
+    scores: float32 [L,B,Hkv,C], higher = keep (only candidate slots matter).
+    protected: bool [L,B,Hkv,C], slots kept first (window, sinks).
+    layer_log_pref: float32 [L,B], CAKE's layer preference log P_l when the scorer computed it with
+      the `Cake` allocator's window and taus (so the allocator reuses it), else None.
+    """
 
     scores: jax.Array
     protected: jax.Array
-    aux: dict
+    layer_log_pref: jax.Array | None = None

@@ -93,7 +93,7 @@ class SnapKV(PrefillPolicy):
         else:
             s = group_reduce_fn(pool1d(a, cand[:, :, :, None], self.kernel, self.pooling), self.gqa_reduce, axis=3)
         s = jnp.where(cand, s, 0.0)
-        return Scored(s, window_protected(cache.pos, cache.valid, lengths, w), {})
+        return Scored(s, window_protected(cache.pos, cache.valid, lengths, w))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +11,7 @@ from kvjax.cache import KVCache
 from kvjax.observations import Observations
 from kvjax.policies.allocators import RULES
 from kvjax.policies.base import (
+    DecodeState,
     Plan,
     PlanRequest,
     Policy,
@@ -76,12 +76,12 @@ class StreamingLLM(Policy):
         sinks = cache.valid & (cache.pos < self.n_sink)
         return select(cache.pos.astype(jnp.float32), cache.valid, counts, pos=cache.pos, protected=sinks)
 
-    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, None]:
         return self._keep(cache, as_i32(plan.counts)[..., None]), None
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
-    ) -> tuple[Any, jax.Array]:
+        self, plan: Plan, state: DecodeState, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
+    ) -> tuple[DecodeState, jax.Array]:
         if not self.decode:
             return state, cache.valid
         limit = as_i32(plan.decode_budget)[None, :, None] - 1

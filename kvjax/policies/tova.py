@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +11,7 @@ from kvjax.cache import KVCache
 from kvjax.observations import Observations, ObservationSpec
 from kvjax.policies.allocators import RULES
 from kvjax.policies.base import (
+    DecodeState,
     Plan,
     PlanRequest,
     Policy,
@@ -73,7 +73,7 @@ class TOVA(Policy):
         m = window_moments(q, qpos, cache, scale=scale, group_reduce="mean", moments=("sum",))["sum"]
         return jnp.broadcast_to(m.mean(2, keepdims=True), m.shape)
 
-    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, Any]:
+    def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, None]:
         s = self.prefill_scores(plan, cache, obs)
         prot = None
         if self.protect_last:
@@ -82,8 +82,8 @@ class TOVA(Policy):
         return select(s, cache.valid, counts, pos=cache.pos, protected=prot), None
 
     def decode_update(
-        self, plan: Plan, state: Any, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
-    ) -> tuple[Any, jax.Array]:
+        self, plan: Plan, state: DecodeState, cache: KVCache, step_probs: jax.Array, written: jax.Array, t: jax.Array
+    ) -> tuple[DecodeState, jax.Array]:
         if not self.decode:
             return state, cache.valid
         s = step_probs.astype(jnp.float32).mean((2, 3), keepdims=True)[:, :, :, 0]

@@ -12,7 +12,12 @@ from hypothesis import strategies as st
 import pol_reference as R
 from kvjax.policies import Ada, Cake, Pyramid, Uniform
 from kvjax.policies.allocators import cake_adjust_budgets, pyramid_kvpress, pyramid_paper
-from kvjax.policies.base import kvpress_n_kept
+from kvjax.policies.base import PlanRequest, kvpress_n_kept
+
+
+def allocate(allocator, lengths, num_layers, num_kv_heads, *, budget, ratio, protect, compat):
+    req = PlanRequest.checked(lengths, num_layers, num_kv_heads, budget, ratio, 0, None)
+    return allocator.allocate(req, protect=protect, compat=compat)
 
 
 def test_kvpress_n_kept_float64_table():
@@ -72,7 +77,7 @@ def test_pyramid_rules_match_reference_and_totals(T, C, w, L, beta):
 @settings(max_examples=20, deadline=None)
 @given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=4), budget=st.integers(1, 400), L=st.integers(1, 6))
 def test_uniform_total_is_the_budget(lengths, budget, L):
-    alloc = Uniform().allocate(lengths, L, 2, budget=budget, ratio=None, protect=0, compat="0.5.4")
+    alloc = allocate(Uniform(), lengths, L, 2, budget=budget, ratio=None, protect=0, compat="0.5.4")
     for b, t in enumerate(lengths):
         assert sum(alloc.counts[l][b] for l in range(L)) == L * min(budget, t)
 
@@ -95,31 +100,32 @@ def test_cake_adjust_budgets_matches_reference(seed, L, total, seq):
 
 def test_ada_host_plan_bounds():
     a = Ada(alpha=0.2)
-    alloc = a.allocate((100, 30), 2, 4, budget=20, ratio=None, protect=8, compat="0.5.4")
-    assert alloc.counts == ((20, 20), (20, 20)) and alloc.extra == ((2, 2), (2, 2))  # F = int(12 * 0.2)
+    alloc = allocate(a, (100, 30), 2, 4, budget=20, ratio=None, protect=8, compat="0.5.4")
+    assert alloc.counts == ((20, 20), (20, 20)) and alloc.data.floor == ((2, 2), (2, 2))  # F = int(12 * 0.2)
     # worst case, one head takes all min(T - w, 4*12) global picks: 8 + ceil(48*0.8 + 2) = 49; 8 + ceil(22*0.8 + 2) = 28
     assert alloc.bound == ((49, 28), (49, 28))
-    none = a.allocate((20,), 1, 4, budget=21, ratio=None, protect=8, compat="0.5.4")
-    assert none.extra == ((-1,),) and not none.evicts  # B' = 13 > T - w = 12: no compression
-    kv = Ada(alpha=0.2, rule="kvpress").allocate((100,), 1, 4, budget=None, ratio=0.5, protect=8, compat="0.5.4")
-    assert kv.counts == ((50,),) and kv.extra == ((10,),) and kv.bound == ((100,),)
+    none = allocate(a, (20,), 1, 4, budget=21, ratio=None, protect=8, compat="0.5.4")
+    assert none.data.compressed == ((False,),) and not none.evicts  # B' = 13 > T - w = 12: no compression
+    kv = allocate(Ada(alpha=0.2, rule="kvpress"), (100,), 1, 4, budget=None, ratio=0.5, protect=8, compat="0.5.4")
+    assert kv.counts == ((50,),) and kv.data.floor == ((10,),) and kv.bound == ((100,),)
     # n_safe = int(n_kept * alpha): 0 in 0.5.4, clamped to 1 on kvpress main (PRs #264/#277)
     for compat, n_safe in (("0.5.4", 0), ("main", 1)):
-        a = Ada(alpha=0.2, rule="kvpress").allocate((10,), 1, 4, budget=None, ratio=0.7, protect=0, compat=compat)
-        assert a.counts == ((3,),) and a.extra == ((n_safe,),)
+        a = allocate(Ada(alpha=0.2, rule="kvpress"), (10,), 1, 4, budget=None, ratio=0.7, protect=0, compat=compat)
+        assert a.counts == ((3,),) and a.data.floor == ((n_safe,),)
 
 
 def test_cake_host_plan():
     c = Cake(window=4)
-    alloc = c.allocate((30, 12), 3, 2, budget=8, ratio=None, protect=4, compat="0.5.4")
-    assert alloc.extra == ((8, -1), (8, -1), (8, -1))  # clip min(T - w, 2(C - w)); row 1: T <= C + w
+    alloc = allocate(c, (30, 12), 3, 2, budget=8, ratio=None, protect=4, compat="0.5.4")
+    assert alloc.data.clip == ((8, 0), (8, 0), (8, 0))  # clip min(T - w, 2(C - w)); row 1: T <= C + w
+    assert alloc.data.compressed == ((True, False),) * 3
     assert alloc.bound == ((12, 12), (12, 12), (12, 12))
-    par = Cake(window=4, parity=True).allocate((30,), 3, 2, budget=8, ratio=None, protect=4, compat="0.5.4")
-    assert par.extra == ((26,), (26,), (26,))
+    par = allocate(Cake(window=4, parity=True), (30,), 3, 2, budget=8, ratio=None, protect=4, compat="0.5.4")
+    assert par.data.clip == ((26,), (26,), (26,))
 
 
 def test_pyramid_allocator_rules():
-    p = Pyramid(beta=20).allocate((8000,), 32, 8, budget=2048, ratio=None, protect=32, compat="0.5.4")
+    p = allocate(Pyramid(beta=20), (8000,), 32, 8, budget=2048, ratio=None, protect=32, compat="0.5.4")
     assert p.counts[0] == (3932 + 32,) and p.counts[-1] == (119 + 32,)
-    k = Pyramid(rule="kvpress").allocate((4096,), 32, 8, budget=None, ratio=0.5, protect=64, compat="0.5.4")
+    k = allocate(Pyramid(rule="kvpress"), (4096,), 32, 8, budget=None, ratio=0.5, protect=64, compat="0.5.4")
     assert k.counts[0] == (3994,) and k.counts[-1] == (102,)

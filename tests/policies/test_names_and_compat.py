@@ -83,7 +83,7 @@ def test_kvpress_presets_follow_0_5_5_at_tiny_lengths(name):
         assert a.counts == b.counts
         return
     if name == "adakv_snapkv_kvpress":  # n_kept = 1: the safeguard n_safe = int(1 * 0.2) = 0 is clamped to 1
-        assert [row[0] for row in a.extra] == [1, 1] and [row[0] for row in b.extra] == [0, 0]
+        assert [row[0] for row in a.alloc.floor] == [1, 1] and [row[0] for row in b.alloc.floor] == [0, 0]
     assert [row[0] for row in a.counts] == [1, 1] and [row[0] for row in b.counts] == [0, 0]
     assert [row[1] for row in a.counts] == [row[1] for row in b.counts] == [3, 3]  # int(40 * (1 - 0.9)) = 3
 
@@ -93,7 +93,7 @@ def test_ada_safeguard_clamped_to_one_under_0_5_5():
     p = get("adakv_snapkv_kvpress", window=2)
     for compat, n_safe in (("0.5.5", 1), ("0.5.4", 0)):
         plan = dataclasses.replace(p, kvpress_compat=compat).plan((10,), 1, 4, compression_ratio=0.7)
-        assert plan.counts == ((3,),) and plan.extra == ((n_safe,),)
+        assert plan.counts == ((3,),) and plan.alloc.floor == ((n_safe,),)
 
 
 @pytest.mark.parametrize("budget,ratio", [(0, None), (None, 1.0), (None, -0.5), (3, 0.5), (None, None)])

@@ -142,14 +142,15 @@ def test_prefill_properties(name, data):
     if alloc is None or type(alloc).__name__ in ("Uniform", "Pyramid"):
         np.testing.assert_array_equal(counts, np.asarray(plan.counts)[:, :, None].repeat(HKV, -1))
     if isinstance(alloc, Ada):  # head budgets vary; the layer total is fixed up to the spec's rounding
-        total, nominal, floor = counts.sum(-1), np.asarray(plan.counts), np.asarray(plan.extra)
+        total, nominal, floor = counts.sum(-1), np.asarray(plan.counts), np.asarray(plan.alloc.floor)
         if alloc.rule == "kvpress":  # exactly Hkv * n_kept survive per layer
             np.testing.assert_array_equal(total, HKV * nominal)
         else:  # sum_h round(count_h (1-a) + F) with sum_h count_h = Hkv B', B' = C - w
             w = policy.protected_count()
             bp = nominal - w
             want = HKV * (bp * (1 - alloc.alpha) + floor + w)
-            assert (np.abs(np.where(floor >= 0, total - want, 0)) <= HKV / 2 + 1e-9).all()
+            compressed = np.asarray(plan.alloc.compressed)
+            assert (np.abs(np.where(compressed, total - want, 0)) <= HKV / 2 + 1e-9).all()
     assert counts.max() <= plan.capacity
 
     # protected tokens are always kept
