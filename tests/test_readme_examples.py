@@ -188,6 +188,17 @@ CHECKS = {
         presets = H["_"][-1]
         assert {"snapkv", "h2o_prefill", "tova"} <= set(presets) and not {"kvzip", "lookahead_kv"} & set(presets)
     """,
+    ("### Quantized KV storage", 0): """
+        import numpy as np
+        int4, kivi = H["out"]
+        assert int4.cache_layout == "quantized" and "quantized" in STDOUT, int4.cache_layout
+        assert int4.kept.tolist() == [int(t * 0.5) for t in int4.prompt_lengths], int4.kept
+        dense = kvjax.generate(model, contexts, policy="snapkv", compression_ratio=0.5, max_new_tokens=16)
+        # 4.25 bits per kept entry against 16, the 16 decoded entries at 16 bits in the window (70-90 kept)
+        assert (int4.kv_bytes16_peak < dense.kv_bytes16_peak / 2).all(), (int4.kv_bytes16_peak, dense.kv_bytes16_peak)
+        assert kivi.cache_layout == "quantized" and kivi.kept.tolist() == [96, 96], kivi.kept
+        assert kivi.tokens.shape == (2, 16)
+    """,
     ("### Compilation cache", 0): """
         import os, pathlib
         import jax, jax.numpy as jnp
