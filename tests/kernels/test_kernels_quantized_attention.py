@@ -293,13 +293,14 @@ class TestDecoders:
 
     def test_bytes_per_slot(self):
         assert _unpack.bytes_per_slot(kv_quant.PRESETS["int8"], 128) == 2 * (128 + 2)
-        assert _unpack.bytes_per_slot(kv_quant.PRESETS["int4"], 128) == 2 * (64 + 4 * 3)
+        assert _unpack.bytes_per_slot(kv_quant.PRESETS["int4"], 128) == 2 * (64 + 2)  # one f16 scale per slot
+        assert _unpack.bytes_per_slot(kv_quant.PRESETS["int4_g32"], 128) == 2 * (64 + 4 * 3)
         assert _unpack.bytes_per_slot(kv_quant.PRESETS["int2"], 128) == 2 * (32 + 4 * 3)
         assert _unpack.bytes_per_slot(kv_quant.PRESETS["int4_kivi"], 128) == 64 + 128 * 3 / 32 + 64 + 3
 
 
 class TestDispatch:
-    CFG = kv_quant.PRESETS["int4"]
+    CFG = kv_quant.PRESETS["int4_g32"]  # groups of 32 channels with zero points: every scale check applies
 
     def test_public_op_runs_the_kernel(self, monkeypatch):
         """implementation="interpret" really calls the TPU kernel (not a silent fallback), and "xla" the
