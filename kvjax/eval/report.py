@@ -17,6 +17,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from kvjax.eval import paired as _paired
+
 if TYPE_CHECKING:
     from kvjax.engine import Setting
 
@@ -466,6 +468,40 @@ def _not_run(summary: Sequence[dict[str, Any]]) -> dict[str, str]:
             for why, settings in where.items()}
 
 
+def paired_section(rows: Sequence[dict[str, Any]], tasks: Sequence[str],
+                   settings: Sequence[Setting]) -> tuple[list[str], list[dict[str, Any]]]:
+    """Markdown lines of "Paired against the full cache" (`kvjax.eval.paired`: score and its
+    difference from the full cache over the same samples, regressions, improvements, answer-length
+    drift; a setting missing samples is marked incomplete, not averaged) and its records for
+    metrics.json. Empty without a full-cache setting or another one to pair with it."""
+    rows = [r for r in rows if r["task"] in set(tasks)]
+    ran = {(r["policy"], r["setting"]) for r in rows}
+    keys = [(st.policy_name, st.label) for st in settings if (st.policy_name, st.label) in ran]
+    if not any(p == _paired.FULL for p, _ in keys) or all(p == _paired.FULL for p, _ in keys):
+        return [], []
+    statuses = [s for s in _paired.compare(rows, settings=keys, tasks=tasks, partial=True)
+                if s.policy != _paired.FULL and s.state != "refused"]
+    head = ["policy", "setting", "n", "score ± s.e.", "vs full ± s.e.", "regressions", "improvements",
+            "length drift (tokens)"]
+    body, records = [], []
+    for s in statuses:
+        p = s.paired
+        if p is None:
+            body.append([s.policy, s.setting, s.n, "incomplete: " + _paired.describe_missing(s), "", "", "", ""])
+            records.append({"policy": s.policy, "setting": s.setting, "state": s.state, "missing": s.missing})
+            continue
+        body.append([s.policy, s.setting, p.n, _paired.plus_minus(p.score, p.score_se),
+                     _paired.plus_minus(p.diff, p.diff_se, sign=True), p.regressions, p.improvements,
+                     _paired.drift_text(p)])
+        records.append({"policy": s.policy, "setting": s.setting, "state": s.state, **vars(p)})
+    lines = ["", "## Paired against the full cache", "", _markdown(head, body, first=2), "",
+             f"Over the samples both ran (n); score = mean over tasks x 100, s.e. stratified by task; right = score "
+             f">= {_paired.RIGHT_AT:g}: regressions = samples the full cache gets right and the setting wrong, "
+             "improvements the reverse; length drift = the setting's mean generated tokens minus the full "
+             "cache's (x their ratio)."]
+    return lines, records
+
+
 def write_reports(out_dir: str | pathlib.Path, rows: Sequence[dict[str, Any]], tasks: Sequence[str],
                   settings: Sequence[Setting], *, skipped: dict[str, str] | None = None, title: str = "",
                   echo: bool = True) -> dict[str, Any]:
@@ -487,12 +523,13 @@ def write_reports(out_dir: str | pathlib.Path, rows: Sequence[dict[str, Any]], t
     if matrices:
         (out / "niah_grid.json").write_text(json.dumps(matrices, indent=2))
     write_csv(out / "results.csv", summary)
+    paired_md, paired_records = paired_section(rows, ran, settings) if body else ([], [])
     (out / "metrics.json").write_text(json.dumps({
         "summary": summary, "table": {"header": header, "rows": body},
         "cache": [{"policy": p, "setting": lb, **rec} for (p, lb), rec in cache.items()],
         "kv_bytes_plot": {"lines": [{"policy": p, "kv_quant": q, "points": pts} for (p, q), pts in kv_points.items()],
                           "left_out": [{"policy": p, "setting": lb} for p, lb in kv_left_out]} if kv_plotted else None,
-        "skipped": skipped or {}}, indent=2))
+        "paired": paired_records, "skipped": skipped or {}}, indent=2))
     not_run = _not_run(summary)
     notes = [*SCORE_NOTE, *footnotes] if body else []
     md = [f"# {title or 'kvjax.eval results'}", "", markdown_table(shown_head, shown) if body else "(no results)", ""]
@@ -509,6 +546,7 @@ def write_reports(out_dir: str | pathlib.Path, rows: Sequence[dict[str, Any]], t
         md += [f"{KV_BYTES_PLOT} not drawn: no setting has 16-bit KV bytes for every sample ({why}).", ""]
     for p in heatmaps:
         md += [f"![{p.stem}](niah_heatmaps/{p.name})"]
+    md += paired_md
     if "fidelity" in ran:
         for key, what in (("kl", "next-token KL(full || compressed), nats (lower is better)"),
                           ("score", "top-1 agreement with the full cache, % (higher is better)")):
