@@ -248,14 +248,15 @@ class Ada(Allocator):
                 rc, rf, rz = [n_kept] * L, [n_safe if compress else 0] * L, [compress] * L
                 rb = [min(t, n_safe + H * (n_kept - n_safe)) if compress else t] * L
             else:
-                if c > t:  # §1.1: Ada-KV leaves the prompt whole when C - w > T - w
+                whole = c > t  # §1.1: Ada-KV leaves the prompt whole when C - w > T - w
+                if whole:
                     bases = [t] * L
                 elif self.pyramid_beta is not None:
                     bases = ada_pyramid_base(t, c - w, w, L, self.pyramid_beta)
                 else:
                     bases = [c - w] * L
                 for l, bp in enumerate(bases):
-                    if bp > t - w:  # no compression
+                    if whole or bp > t - w:  # no compression (`whole` also with no protected tokens, w = 0)
                         rc.append(t), rf.append(0), rz.append(False), rb.append(t)
                         continue
                     floor = int(bp * self.alpha)
