@@ -59,6 +59,16 @@ def lookahead_mass(model_params: dict[str, Any], model_cfg: ModelConfig, adapter
     summed over the n tokens: [L,B,Hq,C] float32 (the softmax includes the tokens' own causal keys).
     remat: rematerialise each layer in the backward pass (long prompts in training).
     differentiable: attention in every layer is reverse-differentiable (training; `extend`'s flag)."""
+    return lookahead_observations(model_params, model_cfg, adapter_params, config, cache, lengths, remat=remat,
+                                  differentiable=differentiable)["query_mass"]
+
+
+def lookahead_observations(model_params: dict[str, Any], model_cfg: ModelConfig, adapter_params: dict[str, Any],
+                           config: LookaheadConfig, cache: KVCache, lengths: jax.Array, *, moments: bool = False,
+                           remat: bool = False, differentiable: bool = False) -> dict[str, jax.Array]:
+    """`lookahead_mass`'s pass, returning its observations by field: query_mass, and with `moments`
+    also query_sumsq and query_entropy ([L,B,Hq,C] float32 each, `kvjax.observations.query_moments`:
+    the second moment and the entropy terms of the n tokens' attention, for CAKE's layer preference)."""
     B = cache.k.shape[1]
     n = config.n_tokens
     if not isinstance(lengths, jax.core.Tracer):
@@ -67,9 +77,11 @@ def lookahead_mass(model_params: dict[str, Any], model_cfg: ModelConfig, adapter
     embeds = jnp.broadcast_to(adapter_params["embeddings"][None], (B, n, model_cfg.hidden_size))
     hook = adapter_hook(adapter_params, config, jnp.ones((B, n), bool))
     _, _, obs = extend(model_params, model_cfg, cache, None, positions, fresh=False, commit=False,
-                       observe=ObservationSpec(query_mass=True), inputs_embeds=embeds, adapter=hook,
-                       logit_index=jnp.zeros((B, 1), jnp.int32), remat=remat, differentiable=differentiable)
-    return obs.query_mass
+                       observe=ObservationSpec(query_mass=True, query_moments=moments), inputs_embeds=embeds,
+                       adapter=hook, logit_index=jnp.zeros((B, 1), jnp.int32), remat=remat,
+                       differentiable=differentiable)
+    fields = ("query_mass", "query_sumsq", "query_entropy") if moments else ("query_mass",)
+    return {f: getattr(obs, f) for f in fields}
 
 
 def predicted_attention(model_params: dict[str, Any], model_cfg: ModelConfig, adapter_params: dict[str, Any],

@@ -17,6 +17,7 @@ from kvjax.observations.step_probs import StepProbs  # noqa: E402
 from kvjax.observations.output_norms import OutputNorms  # noqa: E402
 from kvjax.observations.query_stats import QueryStats  # noqa: E402
 from kvjax.observations.query_mass import QueryMass  # noqa: E402
+from kvjax.observations.query_moments import QueryMoments  # noqa: E402
 
 __all__ = ["REGISTRY", "CallView", "ColumnMass", "LayerView", "Observation", "ObservationSpec", "Observations",
-           "OutputNorms", "QueryMass", "QueryStats", "StepProbs", "WindowQueries"]
+           "OutputNorms", "QueryMass", "QueryMoments", "QueryStats", "StepProbs", "WindowQueries"]

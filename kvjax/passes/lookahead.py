@@ -5,7 +5,9 @@ The adapter's static configuration rides in the spec (`LookaheadTokens(config, m
 params are the policy's traced inputs (`Policy.observation_inputs()`).
 
 Field: query_mass [L,B,Hq,C] float32: per query head, the tokens' attention mass over the cache slots,
-summed over the n tokens (the softmax including their own causal keys).
+summed over the n tokens (the softmax including their own causal keys). With `moments=True` (CAKE's
+layer preference from the tokens' attention) also query_sumsq and query_entropy, the same shape
+(`kvjax.observations.query_moments`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.lookahead import LookaheadConfig, ModelInfo, check_positions, lookahead_mass
+from kvjax.lookahead import LookaheadConfig, ModelInfo, check_positions, lookahead_observations
 from kvjax.models.config import ModelConfig
 from kvjax.observations.base import Observation
 
@@ -26,10 +28,17 @@ from kvjax.observations.base import Observation
 class LookaheadTokens(Observation):
     config: LookaheadConfig
     model_info: ModelInfo
+    moments: bool = False
 
     keyword = "lookahead"
-    fields = ("query_mass",)
+    fields = ("query_mass", "query_sumsq", "query_entropy")
     producer = True
+
+    def merge(self, other: Observation) -> LookaheadTokens:
+        """One pass serves both when they run the same adapter; it records the moments if either asks."""
+        if (self.config, self.model_info) != (other.config, other.model_info):
+            return super().merge(other)  # raises
+        return dataclasses.replace(self, moments=self.moments or other.moments)
 
     @classmethod
     def from_keyword(cls, value: Any) -> None:
@@ -44,4 +53,4 @@ class LookaheadTokens(Observation):
     def produce(self, params: Any, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, positions: jax.Array, *,
                 rope_mode: str, inputs: Any) -> dict[str, jax.Array]:
         lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
-        return {"query_mass": lookahead_mass(params, cfg, inputs, self.config, cache, lengths)}
+        return lookahead_observations(params, cfg, inputs, self.config, cache, lengths, moments=self.moments)
