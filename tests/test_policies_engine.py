@@ -8,6 +8,7 @@ import kvjax
 from kvjax import lookahead, policies
 from kvjax.cache import KVCache
 from kvjax.engine import STEP_BUCKETS, TRACE_COUNTS, bucket_length
+from kvjax.policies.registry import lookahead_presets
 from tiny_models import FAMILIES, build_hf
 
 RNG = np.random.RandomState(7)
@@ -27,7 +28,7 @@ def _release_compiled_programs():
 
 
 def _policy(name, model=None):
-    if name == "lookahead_kv":  # no bundled adapter yet: a fresh one for this model, its LoRA B random
+    if name in lookahead_presets():  # the bundled adapter is the bundled model's: a fresh one, its LoRA B random
         a = lookahead.init_adapter(model, lookahead.LookaheadConfig(n_tokens=8), jax.random.PRNGKey(0))
         lora = {p: {"a": f["a"], "b": 0.1 * jax.random.normal(jax.random.PRNGKey(i), f["b"].shape)}
                 for i, (p, f) in enumerate(a.params["lora"].items())}

@@ -15,7 +15,7 @@ from typing import Any
 from kvjax.eval.report import SCORE_NOTE, write_reports
 from kvjax.kv_quant import PRESETS as _KV_QUANT
 from kvjax.policies.base import check_budget
-from kvjax.policies.registry import canonical_name, close_match
+from kvjax.policies.registry import canonical_name, close_match, lookahead_presets
 
 # `--policies default` (what the default run uses): every preset that scores a prompt from one
 # prefill's observations or evicts while decoding, and LookaheadKV with the bundled adapter. The
@@ -55,6 +55,7 @@ RUN_IDENTITY = ("model", "context_length", "seed", "query_aware", "max_new_token
                 "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens", "lookahead", "prefill_chunk",
                 "cache_layout")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+LOOKAHEAD_PRESETS = frozenset(lookahead_presets())  # they run a LookaheadKV adapter (--lookahead)
 KV_QUANT_PRESETS = tuple(_KV_QUANT)  # the names --kv-quant accepts, beside "none"
 
 EPILOG = """\
@@ -147,8 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--niah-haystack", choices=["essay", "noise"], help="needle-grid haystack (default: essay = --data essay or "
                                                            "built-in prose)")
     a("--fidelity-tokens", type=int, help="continuation tokens scored by the fidelity task (default: 32)")
-    a("--lookahead", metavar="PATH", help="LookaheadKV adapter folder for lookahead_kv (default: the bundled model's, "
-                                          "kvjax/assets/lookahead; without one, 'all' leaves lookahead_kv out)")
+    a("--lookahead", metavar="PATH", help="LookaheadKV adapter folder for lookahead_kv and its compositions "
+                                          "(ada_, layer_, cake_, critical_lookahead_kv; default: the bundled "
+                                          "model's, kvjax/assets/lookahead; without one, 'all' leaves them out)")
     a("--prefill-chunk", type=int, metavar="N",
       help="prefill each context N tokens at a time, evicting down to the budget after every chunk (README, "
            "'Chunked prefill'); policies without chunked prefill are skipped; the full cache stays one-shot "
@@ -250,11 +252,20 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
     names = list(cfg["policies"] or [])
     if names == ["none"]:  # the full-cache baseline alone
         names = []
+    # a group holds lookahead_kv and its compositions only when there is an adapter for them
+    has_adapter: list[bool] = []  # whether there is one, looked up once when a group needs to know
+
+    def runnable(name: str) -> bool:
+        if name not in LOOKAHEAD_PRESETS:
+            return True
+        if not has_adapter:
+            has_adapter.append(_lookahead_adapter(cfg) is not None)
+        return has_adapter[0]
+
     for group, members in (("all", valid), ("default", DEFAULT_POLICIES)):  # named groups of presets
         if group in names:
             names = [n for n in names if n != group] + [
-                v for v in valid if v in members and v not in names
-                and (v != "lookahead_kv" or _lookahead_adapter(cfg) is not None)]
+                v for v in valid if v in members and v not in names and runnable(v)]
     canonical, unknown = [], []
     for n in names:  # any spelling kvjax.policies accepts ("SnapKV", "snap_kv", "SnapKVPress"): one name
         try:
@@ -309,7 +320,8 @@ def check_kv_quant(value: Any, parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _lookahead_adapter(cfg: dict[str, Any], required: bool = False) -> Any:
-    """The adapter `lookahead_kv` runs with (--lookahead, else the bundled one), or None if there is none."""
+    """The adapter `lookahead_kv` and its compositions run with (--lookahead, else the bundled one), or None
+    if there is none."""
     from kvjax.lookahead import load
 
     try:
@@ -437,14 +449,14 @@ def _run(cfg: dict[str, Any], out: pathlib.Path, parser: argparse.ArgumentParser
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     names: list[Any] = list(cfg["policies"])
-    if "lookahead_kv" in names:
+    if LOOKAHEAD_PRESETS & set(names):
         from kvjax.policies import get
 
         try:
             adapter = _lookahead_adapter(cfg, required=True)
         except (FileNotFoundError, ValueError) as err:
             parser.error(str(err))
-        names = [get(n, adapter=adapter) if n == "lookahead_kv" else n for n in names]
+        names = [get(n, adapter=adapter) if n in LOOKAHEAD_PRESETS else n for n in names]
     if cfg["prefill_chunk"] is not None:  # policies without chunked prefill are left out, saying why
         from kvjax.policies import resolve as resolve_policy
 

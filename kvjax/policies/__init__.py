@@ -15,7 +15,13 @@ from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
 from kvjax.policies.kvzip import KVzip
 from kvjax.policies.lazy import LazyEviction
-from kvjax.policies.lookahead import LookaheadKV
+from kvjax.policies.lookahead import (
+    AdaLookaheadKV,
+    CakeLookaheadKV,
+    CriticalLookaheadKV,
+    LayerLookaheadKV,
+    LookaheadKV,
+)
 from kvjax.policies.registry import available, get, resolve
 from kvjax.policies.snapkv import AdaPyramidKV, AdaSnapKV, PyramidKV, SnapKV
 from kvjax.policies.streaming import StreamingLLM
@@ -26,17 +32,21 @@ __all__ = [
     "H2O",
     "TOVA",
     "Ada",
+    "AdaLookaheadKV",
     "AdaPyramidKV",
     "AdaSnapKV",
     "Allocator",
     "Cake",
+    "CakeLookaheadKV",
     "CriticalKV",
+    "CriticalLookaheadKV",
     "DefensiveKV",
     "ExpectedAttention",
     "Global",
     "H2OPrefill",
     "KNorm",
     "KVzip",
+    "LayerLookaheadKV",
     "LazyEviction",
     "LookaheadKV",
     "Plan",

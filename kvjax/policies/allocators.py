@@ -431,6 +431,9 @@ def cake_adjust_budgets(raw: jax.Array, total: jax.Array, bound: jax.Array) -> j
     return b + jnp.sign(diff)[None] * spread(b, jnp.abs(diff), ok)
 
 
+CAKE_PREFERENCES = ("window", "scorer")  # where Cake's layer preference P_l is measured
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Cake(Allocator):
     """CAKE's layer budgets from the layer preference P_l = H_l^(1/tau1) * V_l^(1/tau2) (§8).
@@ -443,6 +446,10 @@ class Cake(Allocator):
     recomputed from their preferences alone (the share P_m / sum_{k<=l} P_k of the whole total,
     fixed up over those layers) and each of them is re-evicted from its stored indicator; as the
     re-evictions are nested top-k of one score, layer m finally keeps min over l >= m of b_{m,l}.
+    preference="window" measures H_l and V_l on the last `window` prompt queries (recorded for it, unless
+    the scorer hands over P_l from those same queries, as CAKE does); preference="scorer" takes P_l from
+    the scorer's own attention statistics (`Scored.layer_log_pref`, e.g. LookaheadKV's tokens, with this
+    allocator's taus), records no window, and refuses a scorer that supplies none.
     """
 
     tau1: float = 1.0
@@ -451,6 +458,7 @@ class Cake(Allocator):
     cap_factor: int = 2
     parity: bool = False
     cascade: bool = False
+    preference: str = "window"
 
     def __post_init__(self) -> None:
         check_float("tau1", self.tau1, 0.0, math.inf, lo_open=True, hi_open=True)
@@ -461,8 +469,11 @@ class Cake(Allocator):
             raise TypeError(f"parity must be a bool, got {self.parity!r}")
         if not isinstance(self.cascade, bool):
             raise TypeError(f"cascade must be a bool, got {self.cascade!r}")
+        check_choice("preference", self.preference, CAKE_PREFERENCES)
 
     def requirements(self) -> Requirements:
+        if self.preference == "scorer":
+            return Requirements()
         return Requirements(observe=ObservationSpec(window=self.window))
 
     def clip_bound(self, length: int, budget: int, protect: int) -> int:
@@ -505,6 +516,9 @@ class Cake(Allocator):
 
     def head_counts(self, plan: Plan, scored: Scored, cache: KVCache, obs: Observations, protect: int) -> jax.Array:
         log_pref = scored.layer_log_pref
+        if log_pref is None and self.preference == "scorer":
+            raise ValueError("Cake(preference='scorer') needs a scorer that computes the layer preference "
+                             "(Scored.layer_log_pref, as LookaheadKV does); this one returned none")
         if log_pref is None:
             lengths = as_i32(plan.lengths)
             scale = attention_scale(obs, cache.k.shape[-1], True)

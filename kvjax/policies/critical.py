@@ -14,6 +14,7 @@ v_j W_o^h once per prompt key in `extend`), so the policy never reads model weig
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,7 @@ class CriticalKV(PrefillPolicy):
         if not isinstance(self.scorer, PrefillPolicy) or isinstance(self.scorer, CriticalKV):
             raise TypeError(f"scorer must be a prefill policy (SnapKV, AdaSnapKV, KNorm, ...), got {self.scorer!r}")
         super().__post_init__()
-        if self.scorer.requirements().decode_eviction:
+        if self.scorer.decode_time:
             raise ValueError(f"scorer must be prefill-only; {type(self.scorer).__name__} evicts while decoding "
                              "(pass decode=False)")
         # the wrapper's budget rule and kvpress arithmetic are the scorer's (its plan applies)
@@ -86,6 +87,10 @@ class CriticalKV(PrefillPolicy):
 
     def requirements(self) -> Requirements:
         return self.scorer.requirements().merge(Requirements(observe=ObservationSpec(output_norms=True)))
+
+    def observation_inputs(self) -> Any:
+        """The scorer's (e.g. LookaheadKV's adapter params, for its tokens' pass)."""
+        return self.scorer.observation_inputs()
 
     def build_plan(self, req: PlanRequest) -> Plan:
         return self.scorer.build_plan(req)

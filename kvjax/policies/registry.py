@@ -24,7 +24,14 @@ from kvjax.policies.h2o import H2O, H2OPrefill
 from kvjax.policies.knorm import KNorm
 from kvjax.policies.kvzip import KVzip
 from kvjax.policies.lazy import LazyEviction
-from kvjax.policies.lookahead import LookaheadKV
+from kvjax.policies.lookahead import (
+    AdaLookaheadKV,
+    CakeLookaheadKV,
+    CriticalLookaheadKV,
+    LayerLookaheadKV,
+    LookaheadKV,
+    lookahead_scorer,
+)
 from kvjax.policies.snapkv import AdaPyramidKV, AdaSnapKV, PyramidKV, SnapKV
 from kvjax.policies.streaming import StreamingLLM
 from kvjax.policies.tova import TOVA
@@ -73,6 +80,12 @@ _PRESETS: dict[str, Policy] = {
     "knorm_kvpress": KNorm(skip_layers=(), **_KVPRESS),
     "lazy_eviction": LazyEviction(),
     "lookahead_kv": LookaheadKV(),
+    # issue 27: LookaheadKV's scores under other budgets and CriticalKV's value weighting (their docstrings
+    # say what each combines); like lookahead_kv they run a LookaheadKV adapter (`adapter=`)
+    "ada_lookahead_kv": AdaLookaheadKV(),
+    "layer_lookahead_kv": LayerLookaheadKV(),
+    "cake_lookahead_kv": CakeLookaheadKV(),
+    "critical_lookahead_kv": CriticalLookaheadKV(),
     "random": Random(),
 }
 
@@ -128,9 +141,15 @@ def name_of(policy: Policy) -> str:
     else the nearest preset of its class with the hyperparameters that differ, e.g.
     "snapkv(window=16)"; a class with no preset is named by `Policy.name` (or the class name)."""
 
+    def differs(a: Any, b: Any) -> bool:  # a wrapped policy (CriticalKV's scorer) differs by its own name
+        if isinstance(a, Policy) and isinstance(b, Policy):  # (so that its adapter is not a hyperparameter)
+            return type(a) is not type(b) or name_of(a) != name_of(b)
+        return a != b
+
     def diff(preset: Policy) -> list[str]:
         return [f"{f.name}={getattr(policy, f.name)!r}" for f in dataclasses.fields(policy)
-                if f.compare and f.init and getattr(policy, f.name) != getattr(preset, f.name)]  # hyperparameters only
+                if f.compare and f.init  # hyperparameters only
+                and differs(getattr(policy, f.name), getattr(preset, f.name))]
 
     same = {n: diff(p) for n, p in _PRESETS.items() if type(p) is type(policy)}
     if not same:
@@ -158,6 +177,12 @@ def resolve(policy: str | Policy) -> Policy:
     if isinstance(policy, Policy):
         return policy
     raise TypeError(f"policy must be a preset name (one of {available()}) or a Policy instance, got {policy!r}")
+
+
+def lookahead_presets() -> list[str]:
+    """The presets that run a LookaheadKV adapter's tokens (lookahead_kv and its compositions), sorted:
+    each takes `adapter=` (`get(name, adapter=...)`), and the eval includes them only when it has one."""
+    return [n for n in available() if lookahead_scorer(_PRESETS[n]) is not None]
 
 
 def chunked_presets() -> list[str]:

@@ -83,6 +83,28 @@ def query_stats_np(q: np.ndarray, lengths, start: int) -> tuple[np.ndarray, np.n
     return mean, cov
 
 
+LOOKAHEAD_N = 4  # stand-in lookahead tokens: the last 4 prompt queries of each row
+
+
+def lookahead_np(q: np.ndarray, k: np.ndarray, lengths, n: int = LOOKAHEAD_N) -> dict[str, np.ndarray]:
+    """Stand-ins for the lookahead pass's observations ([L,B,Hq,S] float64 each, 0 past the prompt): the
+    last n prompt queries of each row, as if they came after it, attend to all its T keys; per query
+    head and slot the sum over them of p, p^2 and -p log(p + 1e-10) (query_mass, _sumsq, _entropy)."""
+    L, B, Hq, S, _ = q.shape
+    out = {f: np.zeros((L, B, Hq, S)) for f in ("query_mass", "query_sumsq", "query_entropy")}
+    for l in range(L):
+        for b, t in enumerate(lengths):
+            for h in range(Hq):
+                qs, ks = q[l, b, h, max(t - n, 0):t].astype(np.float64), k[l, b, h // G, :t].astype(np.float64)
+                logits = qs @ ks.T / np.sqrt(D)
+                p = np.exp(logits - logits.max(-1, keepdims=True))
+                p /= p.sum(-1, keepdims=True)
+                out["query_mass"][l, b, h, :t] = p.sum(0)
+                out["query_sumsq"][l, b, h, :t] = (p * p).sum(0)
+                out["query_entropy"][l, b, h, :t] = -(p * np.log(p + 1e-10)).sum(0)
+    return out
+
+
 def make_inputs(
     seed: int = 0,
     lengths: tuple[int, ...] = LENGTHS,
@@ -132,6 +154,7 @@ def build(q, k, v, lengths, slots, window) -> Inputs:
     mass = causal_column_mass(q, k, lengths)
     wo = np.random.default_rng(1234).normal(size=(L, HQ * D, E)).astype(np.float32) / 4
     qmean, qcov = query_stats_np(q, lengths, QUERY_STATS_FROM)  # q doubles as the pre-RoPE queries
+    lookahead = {f: jnp.asarray(x.astype(np.float32)) for f, x in lookahead_np(q, k, lengths).items()}
     obs = Observations(
         window_queries=jnp.asarray(wq),
         window_positions=jnp.asarray(np.where(wpos >= 0, wpos, -1).astype(np.int32)),
@@ -143,6 +166,7 @@ def build(q, k, v, lengths, slots, window) -> Inputs:
         rope_inv_freq=INV_FREQ,
         # a stand-in for KVzip's reconstruction scores: a per-slot function of the key (row-independent)
         reconstruction=jnp.asarray(np.where(valid4, 1 / (1 + np.exp(-k[..., 0] - k[..., 1])), 0).astype(np.float32)),
+        **lookahead,
     )
     return Inputs(q=q, k=k, lengths=tuple(lengths), window=window, mass=mass, cache=cache, obs=obs, v=v, wo=wo)
 

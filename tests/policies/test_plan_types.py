@@ -9,9 +9,10 @@ import jax
 import numpy as np
 import pytest
 
+from kvjax.lookahead import Adapter, LookaheadConfig, ModelInfo
 from kvjax.policies import CAKE, H2O, AdaSnapKV, DefensiveKV, KVzip, get
 from kvjax.policies.allocators import AdaData, CakeData, GlobalData
-from pol_helpers import HKV, make_inputs
+from pol_helpers import HKV, LOOKAHEAD_N, make_inputs
 
 L, BUDGET = 2, 12
 # with window 4 and budget 12, the 10-token row is left whole by every allocator below, the others compressed
@@ -26,6 +27,11 @@ CASES = {
     "kvzip": (KVzip(), GlobalData),
     "h2o": (H2O(), type(None)),
 }
+_LKV = dict(adapter=Adapter(params={}, config=LookaheadConfig(n_tokens=LOOKAHEAD_N),
+                            model_info=ModelInfo(16, L, 8, HKV, 8, 101, 32)))  # the config is what scores read
+CASES.update({"ada_lookahead_kv": (get("ada_lookahead_kv", **_LKV), AdaData),
+              "layer_lookahead_kv": (get("layer_lookahead_kv", **_LKV), GlobalData),
+              "cake_lookahead_kv": (get("cake_lookahead_kv", **_LKV), CakeData)})
 TRACES = {"n": 0}
 
 

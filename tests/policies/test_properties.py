@@ -31,10 +31,15 @@ from kvjax.policies import (
     StreamingLLM,
     get,
 )
+from kvjax.lookahead import Adapter, LookaheadConfig, ModelInfo
 from kvjax.policies.prefill import PrefillPolicy
-from pol_helpers import HKV, kept_positions, make_inputs
+from pol_helpers import HKV, LOOKAHEAD_N, kept_positions, make_inputs
 
 SLOTS, SLOTS_ALONE, L = 32, 40, 2
+# the LookaheadKV presets read their scoring options from an adapter's config (make_inputs supplies
+# stand-ins for the tokens' observations); its params and model are never used here
+LKV = dict(adapter=Adapter(params={}, config=LookaheadConfig(n_tokens=LOOKAHEAD_N),
+                           model_info=ModelInfo(16, L, 8, HKV, 8, 101, 32)))
 
 POLICIES = {
     "snapkv": SnapKV(window=4),
@@ -69,6 +74,11 @@ POLICIES = {
     "layer_defensivekv": DefensiveKV(window=4, layer_wise=True),
     "kvzip": KVzip(),
     "kvzip_kvpress": get("kvzip_kvpress"),
+    "lookahead_kv": get("lookahead_kv", **LKV),
+    "ada_lookahead_kv": get("ada_lookahead_kv", **LKV),
+    "layer_lookahead_kv": get("layer_lookahead_kv", **LKV),
+    "cake_lookahead_kv": get("cake_lookahead_kv", **LKV),
+    "critical_lookahead_kv": get("critical_lookahead_kv", **LKV),
 }
 
 
