@@ -25,6 +25,8 @@ OPS = ("window_scores", "column_mass", "decode_attention")
 
 # (batch, query heads, KV heads, head_dim, window) and the key lengths per op.
 SIZES = {
+    # Seconds in the Pallas interpreter on a busy CPU (`python -m kvjax.bench device`'s CPU / --tiny mode).
+    "micro": dict(b=1, hq=4, hkv=2, d=128, w=16, window=(512,), column=(256,), decode=(512,)),
     # Small enough for the Pallas interpreter on a laptop CPU.
     "tiny": dict(b=1, hq=8, hkv=2, d=128, w=32, window=(2048, 8192), column=(512, 1024), decode=(2048, 8192)),
     # Llama-3-8B-like attention shapes.
