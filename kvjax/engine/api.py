@@ -257,7 +257,12 @@ def _plan(cfg: ModelConfig, st: Setting, policy: Policy | None, part: _Part) -> 
     try:
         if st.prefill_chunk is not None:
             check_chunked_prefill(policy, st.prefill_chunk)
-        return _Run(st, policy, part.plan(policy, st, cfg))
+        plan = part.plan(policy, st, cfg)
+        if st.kv_quant is not None and policy.decode_time:
+            # the quantized layout appends each decode token at its head's next slot (its full-precision window
+            # and flushes need consecutive slots) rather than in the slot an eviction freed: room for every step
+            plan = plan.replace(capacity=plan.capacity + part.room - part.question_tokens)
+        return _Run(st, policy, plan)
     except ValueError as err:
         return err
 
@@ -592,7 +597,11 @@ def generate(
       `kvjax.kv_quant.KVQuant` (format, key axis, group, full-precision window, rotation): after the
       prompt is scored and compressed in full precision (and the question fed), the kept entries are
       quantized once and decoding reads them from codes (`kvjax.cache_quant`; `cache_layout` then
-      reports "quantized"). Decode appends go to a full-precision window, flushed when full.
+      reports "quantized"). Decode appends go to a full-precision window, flushed when full. Gemma's
+      sliding-window layers keep their rolling buffers in the model dtype (only the global layers are
+      quantized). Decode-time policies evict as on the dense cache (the entries held stay within the
+      budget), but appends take each head's next slot, so the cache is allocated with room for every
+      decode step. Policies in rope_mode "cache_relative" (streaming_llm) are refused.
     """
     setting = Setting(policy, compression_ratio, budget, prefill_chunk, kv_quant)
     return generate_settings(model, prompts, [setting], questions=questions, max_new_tokens=max_new_tokens,
