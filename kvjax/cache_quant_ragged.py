@@ -24,7 +24,10 @@ Choices and why:
   scored and compacted in full precision, question fed) into the ragged layout (`cache_ragged.from_cache`:
   each head's kept entries first, in position order) and quantizes each layer's entries once, as
   `cache_quant.from_cache` does for the stacked cache. Per-token scales are per slot, so every entry gets
-  the same codes as in the stacked quantized cache: the two layouts attend over the same values.
+  the same codes as in the stacked quantized cache: the two layouts attend over the same values (up to
+  the order of summation). Per-channel keys group G consecutive entries of a head: here in position
+  order, in the stacked cache in slot order, so the groups (and the codes) are the same only where the
+  stacked cache's slots are in position order (as `tests/test_cache_quant_ragged.py` builds them).
 - **Segments, not a dense capacity of the largest head, for head-wise budgets.** A dense per-layer capacity
   would pay for the largest head count in every head, which is what the ragged layout exists to avoid;
   the segmented form stores the row's total. The price is one more attention implementation (XLA, no
@@ -37,9 +40,9 @@ Choices and why:
   per-token, min(residual, round_up(G - 1 + room, G)) per-channel (the entries below a group boundary
   left over from the quantization, G - 1 at most, plus the decode appends; a multiple of G, as the
   flush writes whole groups). Decode writes at most room - 1 tokens, so a window of W flushes exactly
-  when a window of `residual` would (never, when residual >= room): the same values are attended as in
+  when a window of `residual` would (never, when residual >= room): the same entries are quantized as in
   the stacked quantized cache, and a 128-entry full-precision window (the int4 presets) is not paid for
-  a 16-token decode room. The stacked cache keeps W = max(residual, 1).
+  a 16-token decode room. The stacked cache keeps W = max(residual, 1) (the same sizing would shrink it).
 - **Flushes in fixed-size groups**: appends go to the window; when a head's window holds W entries they
   are quantized at once into their slots (a `lax.cond`, fixed shapes, no recompilation).
 - **No decode-time eviction** (the ragged rule, `engine.api.ragged_supported`): those runs keep the

@@ -49,7 +49,8 @@ def dense_cache(counts, room, D=16, dtype=jnp.float32):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_attends_as_the_stacked_quantized_cache_through_appends_and_flushes(name):
     """The same entries, quantized in the stacked cache and in the ragged layout: after every decode append
-    (a padding step in row 1 now and then) each layer's attention output is the same, the windows flush
+    (a padding step in row 1 now and then) each layer's attention output and log-sum-exp are the same
+    (soft-capped or not), the windows flush
     at the same entries, and the rows' entries and bytes (codes + scales, window at 16 bits) agree."""
     config = CONFIGS[name]
     dense = dense_cache(COUNTS, ROOM)
@@ -68,8 +69,10 @@ def test_attends_as_the_stacked_quantized_cache_through_appends_and_flushes(name
         for l in range(L):
             stacked, ragged = stacked.write_layer(l, k, v, p), ragged.write_layer(l, k, v, p)
         for l in range(L):
-            outs.append([attention(q, c.layer_keys(l), jnp.full((B, 1), 10_000, jnp.int32), scale=0.3).out
-                         for c in (stacked, ragged)])
+            for cap in (None, 1.5):  # soft-capped logits (Gemma 2) too
+                res = [attention(q, c.layer_keys(l), jnp.full((B, 1), 10_000, jnp.int32), scale=0.3, softcap=cap,
+                                 returns=("lse",)) for c in (stacked, ragged)]
+                outs += [(res[0].out, res[1].out), (res[0].lse, res[1].lse)]
         return stacked, ragged, outs
 
     for t in range(13):  # more appends than any residual here but the wide one
@@ -228,3 +231,26 @@ def test_decode_time_policies_and_the_full_cache_keep_the_stacked_quantized_layo
         out = kvjax.generate(stories, prompt, policy=policy, budget=budget, max_new_tokens=4, kv_quant="int8",
                              cache_layout="ragged")
         assert out.cache_layout == "quantized"
+
+
+def test_sliding_window_models_and_a_mesh(tmp_path, stories_path, stories):
+    """Gemma 2 (rolling buffers carried in full precision, soft-capped attention) decodes the stacked quantized
+    layout's tokens from quantized segments; over a data x model mesh the tokens are one device's."""
+    from tiny_models import build_hf
+
+    build_hf("gemma2", tmp_path)
+    gemma = kvjax.load_model(tmp_path)
+    prompts = [RNG.randint(3, gemma.config.vocab_size, n).tolist() for n in (150, 100)]
+    kw = {"policy": "ada_snapkv", "compression_ratio": 0.5, "max_new_tokens": N, "stop_tokens": [],
+          "kv_quant": KVQuant("int4", rotation="hadamard", residual=4)}
+    d, r = (kvjax.generate(gemma, prompts, cache_layout=layout, **kw) for layout in ("dense", "ragged"))
+    assert r.cache_layout == "ragged+quantized"
+    np.testing.assert_array_equal(d.tokens, r.tokens)
+    assert r.cache_bytes < d.cache_bytes
+
+    sharded = kvjax.load_model(stories_path, mesh=kvjax.make_mesh(data=2, model=2))
+    prompts = _prompts((180, 150))
+    one, many = (kvjax.generate(m, prompts, policy="ada_snapkv", budget=48, max_new_tokens=8, stop_tokens=[],
+                                kv_quant="int4", cache_layout="ragged") for m in (stories, sharded))
+    assert many.cache_layout == "ragged+quantized"
+    np.testing.assert_array_equal(one.tokens, many.tokens)
