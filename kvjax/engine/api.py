@@ -600,8 +600,9 @@ def generate(
       per run), rounded up to `RAGGED_GRANULE`; each distinct layout is one compilation. With
       `kv_quant` the ragged storage is quantized (`kvjax.cache_quant_ragged`; `cache_layout` reports
       "ragged+quantized"): per layer, codes and scales for the kept entries plus the decode room, and
-      a full-precision window of min(residual, decode room) entries per head; greedy answers are the
-      stacked quantized layout's (the same entries get the same codes), in fewer bytes.
+      a full-precision window of min(residual, decode room) entries per head; with per-token scales
+      greedy answers are the stacked quantized layout's (the same entries get the same codes), in fewer
+      bytes (per-channel keys group entries in position order, so their codes may differ).
     kv_quant: None (default: keys and values in the model dtype), a preset name of `kvjax.kv_quant.PRESETS`
       ("int8", "fp8", "int4", "int4_g32", "int4_kivi", "int2", "int2_hadamard", "int2_kivi", "bf16") or a
       `kvjax.kv_quant.KVQuant` (format, key axis, group, full-precision window, rotation): after the
