@@ -17,10 +17,19 @@ Shapes (L global layers, B rows, Hkv heads, C slots, D head_dim, R = max(residua
   local     Gemma's sliding-window rolling buffers, kept in full precision (bounded by the window,
             never evicted or compacted)
 Keys are stored rotated when the configuration rotates (`kv_quant.rotate`); the window is not.
+
+One storage's code (`QuantizedStorage`): the window, the append, the flush, the key set attention reads
+and the bytes are written once, over a storage whose arrays may carry a leading layer axis. `at` selects
+one layer's arrays: `(l,)` in this stacked cache, `()` in a storage that is one layer's own (the ragged
+layout's quantized layers, `kvjax.cache_quant_ragged`). A storage's slots are either per head
+(`flat = False`: pos [..., B, Hkv, C]) or one flat run per row in which each head owns a segment
+(`flat = True`: pos, seg [B, S], the head's last slot bound `end` [B, Hkv]); the window is per head
+in both. The window's size W is the storage's own (`rk.shape[-2]`): it flushes when it holds W entries.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -35,8 +44,158 @@ from kvjax.kernels.attention import QuantizedKeys
 from kvjax.kv_quant import KVQuant, Quantized
 
 
+def _rows(a: Any, at: tuple) -> Any:
+    """Layer `at` of a (the whole array when at is ())."""
+    return a[at] if at else a
+
+
+def _set(a: jax.Array, at: tuple, x: jax.Array) -> jax.Array:
+    return a.at[at].set(x) if at else x
+
+
+def _slot_index(flat: bool, at: tuple, slot: jax.Array) -> tuple:
+    """The scatter index of each head's slot `slot` [B, Hkv, ...]: (*at, b, h, slot), or (*at, b, slot) in
+    a flat storage (a head's slots are slots of its row)."""
+    B, H = slot.shape[:2]
+    bi = jnp.arange(B).reshape((B,) + (1,) * (slot.ndim - 1))
+    if flat:
+        return (*at, bi, slot)
+    return (*at, bi, jnp.arange(H).reshape((1, H) + (1,) * (slot.ndim - 2)), slot)
+
+
+def _take(a: jax.Array, slots: jax.Array, flat: bool) -> jax.Array:
+    """a at each head's `slots` [..., B, Hkv, n] (in range): a [..., B, Hkv, C, *x] gives [..., B, Hkv, n, *x];
+    a flat a [..., B, S, *x] gives the same shape (the slots index the row)."""
+    x = a.ndim - slots.ndim + (1 if flat else 0)  # trailing axes of a past the slot axis
+    if flat:
+        lead = slots.shape[:-2]
+        idx = slots.reshape(*lead, -1)
+        out = jnp.take_along_axis(a, idx.reshape(idx.shape + (1,) * x), axis=idx.ndim - 1)
+        return out.reshape(slots.shape + a.shape[a.ndim - x:])
+    return jnp.take_along_axis(a, slots.reshape(slots.shape + (1,) * x), axis=slots.ndim - 1)
+
+
+def key_group(config: KVQuant) -> int:
+    """Slots that share a key scale: the slot group for per-channel keys, else 1."""
+    return config.slot_group if config.key_axis == "channel" else 1
+
+
+def quantize_slots(k: jax.Array, v: jax.Array, below: jax.Array, config: KVQuant) -> tuple[Quantized, Quantized]:
+    """k, v [..., C, D] (slots on axis -2) quantized where `below` [..., C] (the others zeroed), the slot axis
+    padded to a multiple of the key group for per-channel keys; rotated first when the configuration rotates."""
+    C = k.shape[-2]
+    G = key_group(config)
+    Cp = -(-C // G) * G
+    pad = lambda a: jnp.pad(a, ((0, 0),) * (a.ndim - 2) + ((0, Cp - C), (0, 0)))  # noqa: E731
+    below = jnp.pad(below, ((0, 0),) * (below.ndim - 1) + ((0, Cp - C),))
+    qk = kv_quant.quantize(pad(kv_quant.rotate(k, config)), config, per_channel=G > 1, valid=below)
+    qv = kv_quant.quantize(pad(kv_quant.rotate(v, config)), config, valid=below)
+    return qk, qv
+
+
+def window_from(k: jax.Array, v: jax.Array, fill: jax.Array, flushed: jax.Array, size: int, flat: bool
+                ) -> tuple[jax.Array, jax.Array]:
+    """The full-precision window [..., B, Hkv, size, D] of a storage whose slots flushed .. fill - 1 of each
+    head (fill, flushed [..., B, Hkv]) are not quantized: entry j <- slot flushed + j (zeros past fill)."""
+    src = flushed[..., None] + jnp.arange(size)
+    inside = src < fill[..., None]
+    last = k.shape[-2] - 1
+    gather = lambda a: jnp.where(inside[..., None], _take(a, jnp.minimum(src, last), flat),  # noqa: E731
+                                 jnp.zeros((), a.dtype))
+    return gather(k), gather(v)
+
+
+class QuantizedStorage:
+    """The code shared by every quantized storage (see the module docstring). A subclass is a struct with
+    k, v (`Quantized`), rk, rv, pos, fill, flushed, config, and `valid` (the stacked cache, where a
+    decode-time policy clears valid bits; elsewhere pos >= 0 marks an entry), or seg and end (flat)."""
+
+    flat = False
+
+    @property
+    def window(self) -> int:
+        return self.rk.shape[-2]
+
+    def _valid(self, at: tuple) -> jax.Array:
+        valid = getattr(self, "valid", None)
+        return _rows(self.pos, at) >= 0 if valid is None else _rows(valid, at)
+
+    def _limit(self, at: tuple) -> Any:
+        """One past each head's last slot: the slot count, or a flat storage's segment ends [B, Hkv]."""
+        return _rows(self.end, at) if self.flat else self.pos.shape[-1]
+
+    def _per_slot(self, head: jax.Array, at: tuple) -> jax.Array:
+        """A per-head value [..., B, Hkv] at each slot: [..., B, Hkv, 1] (broadcasts over a head's slots), or
+        the value of each slot's head in a flat storage [B, S] (head 0 past the last segment)."""
+        if not self.flat:
+            return head[..., None]
+        return jnp.take_along_axis(head, jnp.maximum(_rows(self.seg, at), 0), axis=-1)
+
+    def _codes_visible(self, at: tuple) -> jax.Array:
+        """The entries that hold codes (valid, below their head's `flushed`)."""
+        flushed = self._per_slot(_rows(self.flushed, at), at)
+        return self._valid(at) & (jnp.arange(self.pos.shape[-1]) < flushed)
+
+    def _window_view(self, at: tuple) -> tuple[jax.Array, jax.Array]:
+        """The window's positions rpos [B, Hkv, W] (-1 = empty) and the slot each entry stands for, rslot."""
+        flushed, fill = _rows(self.flushed, at), _rows(self.fill, at)
+        rslot = flushed[..., None] + jnp.arange(self.window)
+        inside = rslot < fill[..., None]
+        src = jnp.minimum(rslot, self.pos.shape[-1] - 1)
+        rpos = jnp.where(inside & _take(self._valid(at), src, self.flat), _take(_rows(self.pos, at), src, self.flat),
+                         -1)
+        return rpos, jnp.where(inside, rslot, -1)
+
+    def _append(self, at: tuple, k: jax.Array, v: jax.Array, p: jax.Array) -> Any:
+        """Appends one token per row (k, v [B,Hkv,D], p [B]; -1 = written nowhere) at each head's `fill` slot,
+        in the window (a head with no slot left drops it); flushes the heads whose window is full."""
+        fill, flushed = _rows(self.fill, at), _rows(self.flushed, at)
+        B, H = fill.shape
+        write = (p >= 0)[:, None] & (fill < self._limit(at))  # [B,Hkv]
+        j = jnp.where(write, fill - flushed, self.window)  # out of range: dropped
+        bi, hi = jnp.arange(B)[:, None], jnp.arange(H)[None, :]
+        idx = _slot_index(self.flat, at, jnp.where(write, fill, self.pos.shape[-1]))
+        new = dict(rk=self.rk.at[(*at, bi, hi, j)].set(k.astype(self.rk.dtype), mode="drop"),
+                   rv=self.rv.at[(*at, bi, hi, j)].set(v.astype(self.rv.dtype), mode="drop"),
+                   pos=self.pos.at[idx].set(jnp.broadcast_to(p[:, None], (B, H)).astype(self.pos.dtype), mode="drop"),
+                   fill=_set(self.fill, at, fill + write.astype(jnp.int32)))
+        if getattr(self, "valid", None) is not None:
+            new["valid"] = self.valid.at[idx].set(True, mode="drop")
+        s = self.replace(**new)
+        full = _rows(s.fill, at) - flushed >= self.window
+        return jax.lax.cond(jnp.any(full), lambda c: c._flush(at, full), lambda c: c, s)
+
+    def _flush(self, at: tuple, full: jax.Array) -> Any:
+        """Quantizes the window of the heads `full` [B,Hkv] into its slots [flushed, flushed + W)."""
+        W, cfg = self.window, self.config
+        flushed = _rows(self.flushed, at)
+        inside = (flushed[..., None] + jnp.arange(W)) < _rows(self.fill, at)[..., None]
+        G = key_group(cfg)
+        qk = kv_quant.quantize(kv_quant.rotate(_rows(self.rk, at), cfg), cfg, per_channel=G > 1, valid=inside)
+        qv = kv_quant.quantize(kv_quant.rotate(_rows(self.rv, at), cfg), cfg, valid=inside)
+        return self.replace(k=_put(self.k, at, qk, flushed, full, G, self.flat),
+                            v=_put(self.v, at, qv, flushed, full, 1, self.flat),
+                            flushed=_set(self.flushed, at, jnp.where(full, flushed + W, flushed)))
+
+    def row_kv_bytes(self, itemsize: int = 2) -> jax.Array:
+        """Key and value bytes of the entries each row holds, [B] float32: a quantized entry's codes, scales
+        and zero points (per-channel key scales shared by their slot group), a window entry's full
+        precision at `itemsize` bytes per element (2: a 16-bit cache's)."""
+        slots = math.prod(self.k.codes.shape[:-1])
+        per_entry = (kv_quant.nbytes(self.k) + kv_quant.nbytes(self.v)) / slots
+        at = ()
+        b = self.pos.ndim - (2 if self.flat else 3)  # the row axis
+        rows = lambda x: jnp.sum(x, axis=tuple(i for i in range(x.ndim) if i != b)).astype(jnp.float32)  # noqa: E731
+        quantized, entries = rows(self._codes_visible(at)), rows(self._valid(at))
+        return quantized * per_entry + (entries - quantized) * (2 * self.rk.shape[-1] * itemsize)
+
+    def kv_nbytes(self) -> int:
+        """Bytes of keys and values: codes, scales, zero points and the full-precision window."""
+        return kv_quant.nbytes(self.k) + kv_quant.nbytes(self.v) + int(self.rk.nbytes) + int(self.rv.nbytes)
+
+
 @struct.dataclass
-class QuantizedKVCache:
+class QuantizedKVCache(QuantizedStorage):
     k: Quantized
     v: Quantized
     rk: jax.Array
@@ -54,10 +213,6 @@ class QuantizedKVCache:
     def capacity(self) -> int:
         return self.pos.shape[3]
 
-    @property
-    def window(self) -> int:
-        return self.rk.shape[3]
-
     def write_slots(self, n: int) -> jax.Array:
         """[L, B, Hkv, 1]: each head's next write slot (decode appends one token per step)."""
         if n != 1:
@@ -72,17 +227,11 @@ class QuantizedKVCache:
 
     def layer_keys(self, l: Any) -> QuantizedKeys:
         """Layer `l`'s key set: the quantized slots (those below `flushed`) and the window."""
-        flushed, fill = self.flushed[l], self.fill[l]
-        slot = jnp.arange(self.capacity)
-        pos = jnp.where(self.valid[l] & (slot < flushed[..., None]), self.pos[l], -1)
-        rslot = flushed[..., None] + jnp.arange(self.window)  # [B,Hkv,R]
-        inside = rslot < fill[..., None]
-        at = jnp.minimum(rslot, self.capacity - 1)
-        rpos = jnp.where(inside & jnp.take_along_axis(self.valid[l], at, axis=-1),
-                         jnp.take_along_axis(self.pos[l], at, axis=-1), -1)
+        at = (l,)
+        rpos, rslot = self._window_view(at)
         take = lambda q: jax.tree.map(lambda a: a[l], q)  # noqa: E731
-        return QuantizedKeys(k=take(self.k), v=take(self.v), pos=pos, rk=self.rk[l], rv=self.rv[l], rpos=rpos,
-                             rslot=jnp.where(inside, rslot, -1), config=self.config)
+        return QuantizedKeys(k=take(self.k), v=take(self.v), pos=jnp.where(self._codes_visible(at), self.pos[l], -1),
+                             rk=self.rk[l], rv=self.rv[l], rpos=rpos, rslot=rslot, config=self.config)
 
     def write_layer(self, l: Any, k: jax.Array, v: jax.Array, positions: jax.Array, slots: Any = None,
                     enabled: jax.Array | None = None) -> QuantizedKVCache:
@@ -94,33 +243,7 @@ class QuantizedKVCache:
         p = positions[:, 0]
         if enabled is not None:
             p = jnp.where(enabled, p, -1)
-        write = jnp.broadcast_to((p >= 0)[:, None], self.fill.shape[1:])  # [B,Hkv]
-        fill, flushed = self.fill[l], self.flushed[l]
-        j = jnp.where(write, fill - flushed, self.window)  # out of range: dropped
-        B, H = write.shape
-        bi, hi = jnp.arange(B)[:, None], jnp.arange(H)[None, :]
-        slot = jnp.where(write, fill, self.capacity)
-        cache = self.replace(
-            rk=self.rk.at[l, bi, hi, j].set(k[:, :, 0].astype(self.rk.dtype), mode="drop"),
-            rv=self.rv.at[l, bi, hi, j].set(v[:, :, 0].astype(self.rv.dtype), mode="drop"),
-            pos=self.pos.at[l, bi, hi, slot].set(jnp.broadcast_to(p[:, None], (B, H)), mode="drop"),
-            valid=self.valid.at[l, bi, hi, slot].set(True, mode="drop"),
-            fill=self.fill.at[l].set(fill + write.astype(jnp.int32)))
-        full = cache.fill[l] - flushed >= max(self.config.residual, 1)
-        return jax.lax.cond(jnp.any(full), lambda c: c._flush(l, full), lambda c: c, cache)
-
-    def _flush(self, l: Any, full: jax.Array) -> QuantizedKVCache:
-        """Quantizes the window of the heads `full` [B,Hkv] into its slots [flushed, flushed + R)."""
-        R, cfg = self.window, self.config
-        flushed = self.flushed[l]
-        inside = (flushed[..., None] + jnp.arange(R)) < self.fill[l][..., None]
-        qk = kv_quant.quantize(kv_quant.rotate(self.rk[l], cfg), cfg, per_channel=cfg.key_axis == "channel",
-                               valid=inside)
-        qv = kv_quant.quantize(kv_quant.rotate(self.rv[l], cfg), cfg, valid=inside)
-        per_group = cfg.slot_group if cfg.key_axis == "channel" else 1
-        k = _put(self.k, l, qk, flushed, full, per_group)
-        v = _put(self.v, l, qv, flushed, full, 1)
-        return self.replace(k=k, v=v, flushed=self.flushed.at[l].set(jnp.where(full, flushed + R, flushed)))
+        return self._append((l,), k[:, :, 0], v[:, :, 0], p)
 
     def evict(self, keep: jax.Array) -> QuantizedKVCache:
         """Clears the valid bit (and position) of every slot where `keep [L,B,Hkv,C]` is False."""
@@ -132,21 +255,6 @@ class QuantizedKVCache:
 
     def row_entries(self) -> jax.Array:
         return self.valid.sum(axis=(0, 2, 3)).astype(jnp.float32)
-
-    def row_kv_bytes(self, itemsize: int = 2) -> jax.Array:
-        """Key and value bytes of the entries each row holds, [B] float32: a quantized entry's codes, scales
-        and zero points (per-channel key scales shared by their slot group), a window entry's full
-        precision at `itemsize` bytes per element (2: a 16-bit cache's)."""
-        slots = self.k.codes.shape[:4]
-        per_entry = (kv_quant.nbytes(self.k) + kv_quant.nbytes(self.v)) / (slots[0] * slots[1] * slots[2] * slots[3])
-        below = self.valid & (jnp.arange(self.capacity) < self.flushed[..., None])
-        quantized = below.sum(axis=(0, 2, 3)).astype(jnp.float32)
-        window = self.row_entries() - quantized
-        return quantized * per_entry + window * (2 * self.rk.shape[-1] * itemsize)
-
-    def kv_nbytes(self) -> int:
-        """Bytes of keys and values: codes, scales, zero points and the full-precision window."""
-        return kv_quant.nbytes(self.k) + kv_quant.nbytes(self.v) + int(self.rk.nbytes) + int(self.rv.nbytes)
 
     def nbytes(self) -> int:
         """Bytes of every buffer: keys and values (`kv_nbytes`), positions, valid bits, the write
@@ -162,16 +270,17 @@ class QuantizedKVCache:
         return jax.tree.map(spec, self.replace(local=None)).replace(local=local)
 
 
-def _put(store: Quantized, l: Any, new: Quantized, start: jax.Array, heads: jax.Array, per_group: int) -> Quantized:
-    """`new` (quantized rows [B,Hkv,R,...]) written into layer l of `store` at rows start .. start+R of the
-    `heads` [B,Hkv] where True; scales per group of `per_group` rows go to row start / per_group."""
-    B, H = heads.shape
+def _put(store: Quantized, at: tuple, new: Quantized, start: jax.Array, heads: jax.Array, per_group: int,
+         flat: bool) -> Quantized:
+    """`new` (quantized rows [B,Hkv,W,...]) written into layer `at` of `store` at each head's slots start ..
+    start + W, for the `heads` [B,Hkv] where True; scales per group of `per_group` slots go to slot
+    start / per_group (a flat storage: slots of the row)."""
 
     def one(buf: jax.Array, rows: jax.Array, per: int) -> jax.Array:
         n = rows.shape[2]
-        idx = jnp.where(heads[..., None], start[..., None] // per + jnp.arange(n), buf.shape[3])
-        return buf.at[l, jnp.arange(B)[:, None, None], jnp.arange(H)[None, :, None], idx].set(
-            rows.astype(buf.dtype), mode="drop")
+        size = buf.shape[len(at) + (1 if flat else 2)]
+        idx = jnp.where(heads[..., None], start[..., None] // per + jnp.arange(n), size)
+        return buf.at[_slot_index(flat, at, idx)].set(rows.astype(buf.dtype), mode="drop")
 
     return Quantized(codes=one(store.codes, new.codes, 1), scale=one(store.scale, new.scale, per_group),
                      zero=None if store.zero is None else one(store.zero, new.zero, per_group))
@@ -183,23 +292,14 @@ def from_cache(cache: KVCache, config: KVQuant) -> QuantizedKVCache:
     Each head's write pointer is one past its last valid slot. Per-token scales: every kept entry is
     quantized. Per-channel keys: the whole groups of G slots below the pointer are quantized and the
     remainder starts the full-precision window."""
-    L, B, H, C, D = cache.k.shape
+    D = cache.k.shape[-1]
     config.check(D)
+    C = cache.k.shape[3]
     slot = jnp.arange(C)
     fill = jnp.max(jnp.where(cache.valid, slot + 1, 0), axis=-1).astype(jnp.int32)
-    channel = config.key_axis == "channel"
-    G = config.slot_group if channel else 1
+    G = key_group(config)
     flushed = (fill // G) * G
-    Cp = -(-C // G) * G
-    R = max(config.residual, 1)
-    pad = lambda a: jnp.pad(a, ((0, 0),) * 3 + ((0, Cp - C), (0, 0)))  # noqa: E731
-    k, v = pad(kv_quant.rotate(cache.k, config)), pad(kv_quant.rotate(cache.v, config))
-    below = jnp.pad(cache.valid & (slot < flushed[..., None]), ((0, 0),) * 3 + ((0, Cp - C),))
-    qk = kv_quant.quantize(k, config, per_channel=channel, valid=below)
-    qv = kv_quant.quantize(v, config, valid=below)
-    src = flushed[..., None] + jnp.arange(R)  # window entry j <- slot flushed + j (if below fill)
-    inside = src < fill[..., None]
-    gather = lambda a: jnp.where(inside[..., None], jnp.take_along_axis(  # noqa: E731
-        a, jnp.minimum(src, C - 1)[..., None], axis=3), jnp.zeros((), a.dtype))
-    return QuantizedKVCache(k=qk, v=qv, rk=gather(cache.k), rv=gather(cache.v), pos=cache.pos, valid=cache.valid,
-                            fill=fill, flushed=flushed, local=cache.local, config=config)
+    qk, qv = quantize_slots(cache.k, cache.v, cache.valid & (slot < flushed[..., None]), config)
+    rk, rv = window_from(cache.k, cache.v, fill, flushed, max(config.residual, 1), flat=False)
+    return QuantizedKVCache(k=qk, v=qv, rk=rk, rv=rv, pos=cache.pos, valid=cache.valid, fill=fill, flushed=flushed,
+                            local=cache.local, config=config)

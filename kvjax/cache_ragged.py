@@ -24,6 +24,11 @@ layers keep their rolling buffers in `local` (a `KVCache`, as in the dense layou
 The layout (`Layout`: per layer ("dense", C_l) or ("segmented", S_l)) is static: it is chosen on
 the host from the kept counts (`choose_layout`), rounded up to a granule so that calls whose counts
 differ a little share one compilation.
+
+A layer is any storage with this interface: `kind`, `pos` (its slot count on the last axis), `fill`,
+`keys()` (what attention reads), `append(k, v, p)`, `head_counts()`, `row_kv_bytes(itemsize)`,
+`kv_nbytes()`, `shardings(mesh)`; `kvjax.cache_quant_ragged` puts quantized forms of both kinds in the
+same container (codes and scales, and a full-precision window per head).
 """
 
 from __future__ import annotations
@@ -45,6 +50,11 @@ from kvjax.kernels.attention import Keys, SegmentedKeys
 Layout = tuple[tuple[str, int], ...]
 
 
+def _entries(pos: jax.Array) -> jax.Array:
+    """Entries per row of one layer's positions [B, ...] (-1 = empty): [B] float32."""
+    return (pos >= 0).reshape(pos.shape[0], -1).sum(-1).astype(jnp.float32)
+
+
 @struct.dataclass
 class DenseLayer:
     k: jax.Array  # [B, Hkv, C, D]
@@ -61,6 +71,15 @@ class DenseLayer:
 
     def keys(self) -> Keys:
         return Keys(k=self.k, v=self.v, pos=self.pos)
+
+    def append(self, k: jax.Array, v: jax.Array, p: jax.Array) -> DenseLayer:
+        return append_token(self, k, v, p)
+
+    def row_kv_bytes(self, itemsize: int = 2) -> jax.Array:
+        return _entries(self.pos) * (2 * self.k.shape[-1] * itemsize)
+
+    def kv_nbytes(self) -> int:
+        return int(self.k.nbytes) + int(self.v.nbytes)
 
     def shardings(self, mesh: Mesh) -> DenseLayer:
         axes = CACHE_AXES[1:]  # batch, kv_heads, cache_seq, head_dim
@@ -90,6 +109,15 @@ class SegmentedLayer:
     def keys(self) -> SegmentedKeys:
         return SegmentedKeys(k=self.k, v=self.v, pos=self.pos, seg=self.seg, num_kv_heads=self.start.shape[-1])
 
+    def append(self, k: jax.Array, v: jax.Array, p: jax.Array) -> SegmentedLayer:
+        return append_token(self, k, v, p)
+
+    def row_kv_bytes(self, itemsize: int = 2) -> jax.Array:
+        return _entries(self.pos) * (2 * self.k.shape[-1] * itemsize)
+
+    def kv_nbytes(self) -> int:
+        return int(self.k.nbytes) + int(self.v.nbytes)
+
     def shardings(self, mesh: Mesh) -> SegmentedLayer:
         """Rows over "data"; a row's segments stay together (they hold every head)."""
         flat = logical_sharding(("batch", None, None), self.k.shape, mesh)
@@ -99,7 +127,7 @@ class SegmentedLayer:
 
 @struct.dataclass
 class RaggedCache:
-    layers: tuple  # DenseLayer | SegmentedLayer, one per (global) layer
+    layers: tuple  # one storage per (global) layer: DenseLayer | SegmentedLayer, or their quantized forms
     local: KVCache | None = None  # rolling buffers of sliding-window layers, as in `KVCache.local`
 
     stacked = False  # one storage per layer: the forward loops over the layers
@@ -111,7 +139,7 @@ class RaggedCache:
 
     @property
     def layout(self) -> Layout:
-        return tuple((x.kind, int(x.k.shape[2] if x.kind == "dense" else x.k.shape[1])) for x in self.layers)
+        return tuple((x.kind, int(x.pos.shape[-1])) for x in self.layers)
 
     def num_valid(self) -> jax.Array:
         """Entries in use per (layer, row, head) [L, B, Hkv]."""
@@ -119,15 +147,16 @@ class RaggedCache:
 
     def row_entries(self) -> jax.Array:
         """Entries per row, summed over layers and heads: [B] float32."""
-        return sum((x.pos >= 0).reshape(x.pos.shape[0], -1).sum(-1) for x in self.layers).astype(jnp.float32)
+        return sum(_entries(x.pos) for x in self.layers)
 
     def row_kv_bytes(self, itemsize: int = 2) -> jax.Array:
-        """Key and value bytes of the entries each row holds, [B] float32, at `itemsize` bytes per element."""
-        return self.row_entries() * (2 * self.layers[0].k.shape[-1] * itemsize)
+        """Key and value bytes of the entries each row holds, [B] float32, at `itemsize` bytes per element
+        (quantized layers: their codes, scales and zero points, and their window's entries at `itemsize`)."""
+        return sum(x.row_kv_bytes(itemsize) for x in self.layers)
 
     def kv_nbytes(self) -> int:
-        """Bytes of the key and value buffers."""
-        return sum(int(x.k.nbytes) + int(x.v.nbytes) for x in self.layers)
+        """Bytes of the key and value buffers (quantized layers: codes, scales, zero points and window)."""
+        return sum(x.kv_nbytes() for x in self.layers)
 
     def nbytes(self) -> int:
         """Bytes of every buffer (keys, values, positions, segment ids and bounds, write slots, and the
@@ -157,7 +186,7 @@ class RaggedCache:
         if k.shape[2] != 1 or enabled is not None:
             raise ValueError("a RaggedCache is written one decode token at a time (n = 1)")
         layers = list(self.layers)
-        layers[l] = append_token(layers[l], k[:, :, 0], v[:, :, 0], positions[:, 0])
+        layers[l] = layers[l].append(k[:, :, 0], v[:, :, 0], positions[:, 0])
         return self.replace(layers=tuple(layers))
 
     def shardings(self, mesh: Mesh) -> RaggedCache:
@@ -173,7 +202,7 @@ class RaggedCache:
                 out.append([[sorted(int(p) for p in ph if p >= 0) for ph in pb] for pb in pos])
             else:
                 seg = np.asarray(jax.device_get(x.seg))
-                H = x.start.shape[-1]
+                H = x.fill.shape[-1]
                 out.append([[sorted(int(p) for p, s in zip(pb, sb) if p >= 0 and s == h) for h in range(H)]
                             for pb, sb in zip(pos, seg)])
         return out
@@ -183,21 +212,24 @@ def round_up(n: int, granule: int) -> int:
     return max(granule, granule * math.ceil(n / granule)) if granule > 1 else n
 
 
-def choose_layout(counts: np.ndarray, room: int, granule: int = 1) -> Layout:
+def choose_layout(counts: np.ndarray, room: int, granule: int = 1, align: int = 1) -> Layout:
     """The static layout for kept counts [L, B, Hkv] (host) plus `room` free slots per head.
 
     Per layer: C = the largest head count (rounded up to `granule`) + room for a dense layer, or
     S = the largest row total over heads (rounded up) + Hkv * room for a segmented one; the layer is
     segmented when that stores fewer slots before rounding (head-wise budgets), dense otherwise
-    (layer-wise ones).
+    (layer-wise ones). align > 1: every segment starts on a multiple of `align` slots (quantized keys
+    whose scales are shared by `align` consecutive slots, `kvjax.cache_quant_ragged`), so S holds
+    Hkv * (align - 1) more and is a multiple of align; a layer is segmented only if that still stores less.
     """
     counts = np.asarray(counts)
     H = counts.shape[2]
     layout = []
     for c in counts:
         most, total = int(c.max(initial=0)), int(c.sum(-1).max(initial=0))
-        if total < H * most:  # heads of a row differ: segments store less
-            layout.append(("segmented", round_up(total, granule) + H * room))
+        if total + H * (align - 1) < H * most:  # heads of a row differ: segments store less
+            size = round_up(total, granule) + H * (room + align - 1)
+            layout.append(("segmented", -(-size // align) * align))
         else:
             layout.append(("dense", round_up(most, granule) + room))
     return tuple(layout)
@@ -209,11 +241,13 @@ def _kept_first(valid: jax.Array, pos: jax.Array) -> jax.Array:
     return jnp.argsort(jnp.where(valid, pos, big), axis=-1, stable=True).astype(jnp.int32)
 
 
-def from_cache(cache: KVCache, layout: Layout, room: int) -> RaggedCache:
-    """The entries of `cache` (its valid slots) in the `layout` (traceable; layout and room static).
+def from_cache(cache: KVCache, layout: Layout, room: int, align: int = 1) -> RaggedCache:
+    """The entries of `cache` (its valid slots) in the `layout` (traceable; layout, room and align static).
 
-    The layout must hold every head's entries plus `room` (`choose_layout` of `cache.num_valid()`);
-    entries beyond it would be dropped. Sliding-window buffers (`cache.local`) are carried as they are.
+    The layout must hold every head's entries plus `room` (`choose_layout` of `cache.num_valid()`, with the
+    same `align`); entries beyond it would be dropped. align: each segment's length (entries + room) is
+    rounded up to a multiple of it, so segments start on multiples of align. Sliding-window buffers
+    (`cache.local`) are carried as they are.
     """
     L, B, H, C, D = cache.k.shape
     if len(layout) != L:
@@ -233,7 +267,7 @@ def from_cache(cache: KVCache, layout: Layout, room: int) -> RaggedCache:
             layers.append(DenseLayer(k=jnp.where(filled[..., None], k, zero), v=jnp.where(filled[..., None], v, zero),
                                      pos=p, fill=n))
             continue
-        length = n + room
+        length = -(-(n + room) // align) * align
         end = jnp.cumsum(length, axis=-1).astype(jnp.int32)
         start = end - length
         j = jnp.arange(size, dtype=jnp.int32)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kvjax import cache_quant_ragged
 from kvjax.cache import KVCache
 from kvjax.cache_ragged import choose_layout
 from kvjax.engine import steps
@@ -138,7 +139,10 @@ class GenerateOutput:
       entries at 16 bits): the equal-memory axis;
     budget [B]: the setting's nominal entries per KV head for each row (kvpress's int(T*(1-r)) for a
       ratio), None for the full cache; budget_reached [B]: whether the cache held at most that many
-      entries (+1 for the decode write) at some point, i.e. whether the policy really compressed."""
+      entries (+1 for the decode write) at some point, i.e. whether the policy really compressed;
+    cache_layout: the layout decoding read: "dense", "ragged" (`kvjax.cache_ragged`), "quantized" (the
+      stacked `kvjax.cache_quant.QuantizedKVCache`) or "ragged+quantized" (`kvjax.cache_quant_ragged`: the
+      ragged layout's per-layer storage, quantized)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -172,7 +176,8 @@ def check_cache_layout(cache_layout: str) -> None:
 
 def ragged_supported(model: Model, policy: Policy | None) -> bool:
     """Whether a run decodes in the ragged layout when asked (`cache_layout="ragged"`): a policy without
-    decode-time eviction, in rope_mode "original". Other runs keep the dense layout."""
+    decode-time eviction, in rope_mode "original". Other runs keep the dense layout (the stacked
+    quantized one with kv_quant)."""
     return policy is not None and not policy.decode_time and steps.rope_mode(policy) == "original"
 
 
@@ -364,7 +369,8 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
             key: jax.Array, cache_layout: str = "dense") -> GenerateOutput:
     """Feeds the questions (if any) to a prefilled, compressed cache, then decodes (in the ragged
     layout when asked and `ragged_supported`: the cache after the question is moved into
-    per-layer storage sized to what it holds plus the decode room)."""
+    per-layer storage sized to what it holds plus the decode room, quantized when the setting's
+    kv_quant is set; otherwise, with kv_quant, from the stacked quantized cache)."""
     cfg = model.config
     policy, plan = run.policy, run.plan
     k_question, k_decode = jax.random.split(key)
@@ -375,16 +381,21 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
                                    rope_mode=steps.rope_mode(policy))
         first = batch.sampler(logits[:, 0], k_question)
         pos0 = jnp.asarray(batch.lengths + batch.q_lengths)
-    layout = "dense"
-    if run.setting.kv_quant is not None:  # scored and compacted in full precision; quantized once, here
-        run.setting.kv_quant.check(cfg.head_dim)
-        cache = steps.to_quantized(cache, config=run.setting.kv_quant)
-        layout = "quantized"
-    elif cache_layout == "ragged" and ragged_supported(model, policy):
+    layout, quant = "dense", run.setting.kv_quant
+    if quant is not None:  # scored and compacted in full precision; quantized once, below
+        quant.check(cfg.head_dim)
+    if cache_layout == "ragged" and ragged_supported(model, policy):
         counts = np.asarray(jax.device_get(cache.num_valid()))
         room = batch.steps  # decode writes at most steps - 1 tokens
-        cache = steps.to_ragged(cache, layout=choose_layout(counts, room, RAGGED_GRANULE), room=room)
-        layout = "ragged"
+        if quant is None:
+            sizes, layout = choose_layout(counts, room, RAGGED_GRANULE), "ragged"
+        else:
+            sizes, layout = cache_quant_ragged.choose_layout(counts, room, quant, RAGGED_GRANULE), \
+                cache_quant_ragged.LAYOUT_NAME
+        cache = steps.to_ragged(cache, layout=sizes, room=room, kv_quant=quant)
+    elif quant is not None:
+        cache = steps.to_quantized(cache, config=quant)
+        layout = "quantized"
     cache_bytes = cache.nbytes()
     decode_time = policy is not None and policy.decode_time
     final = steps.decode(model.params, cache, state if decode_time else None, first, pos0, k_decode,
@@ -591,13 +602,19 @@ def generate(
       same. Used for policies without decode-time eviction in rope_mode "original" (the others stay
       dense); Gemma's sliding-window layers keep their rolling buffers; the output's `cache_layout`
       says which ran. Its sizes are read from the kept counts on the host (one sync
-      per run), rounded up to `RAGGED_GRANULE`; each distinct layout is one compilation.
+      per run), rounded up to `RAGGED_GRANULE`; each distinct layout is one compilation. With
+      `kv_quant` the ragged storage is quantized (`kvjax.cache_quant_ragged`; `cache_layout` reports
+      "ragged+quantized"): per layer, codes and scales for the kept entries plus the decode room, and
+      a full-precision window of min(residual, decode room) entries per head; with per-token scales
+      greedy answers are the stacked quantized layout's (the same entries get the same codes), in fewer
+      bytes (per-channel keys group entries in position order, so their codes may differ).
     kv_quant: None (default: keys and values in the model dtype), a preset name of `kvjax.kv_quant.PRESETS`
       ("int8", "fp8", "int4", "int4_g32", "int4_kivi", "int2", "int2_hadamard", "int2_kivi", "bf16") or a
       `kvjax.kv_quant.KVQuant` (format, key axis, group, full-precision window, rotation): after the
       prompt is scored and compressed in full precision (and the question fed), the kept entries are
       quantized once and decoding reads them from codes (`kvjax.cache_quant`; `cache_layout` then
-      reports "quantized"). Decode appends go to a full-precision window, flushed when full. Gemma's
+      reports "quantized", or "ragged+quantized" with cache_layout="ragged" where the ragged layout
+      runs). Decode appends go to a full-precision window, flushed when full. Gemma's
       sliding-window layers keep their rolling buffers in the model dtype (only the global layers are
       quantized). Decode-time policies evict as on the dense cache (the entries held stay within the
       budget), but appends take each head's next slot, so the cache is allocated with room for every

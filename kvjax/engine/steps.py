@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from kvjax.cache import KVCache, gather_slots
-from kvjax import cache_quant
+from kvjax import cache_quant, cache_quant_ragged
 from kvjax.cache_ragged import Layout, RaggedCache, from_cache
 from kvjax.kv_quant import KVQuant
 from kvjax.models.config import ModelConfig
@@ -167,10 +167,13 @@ def feed(params, cache: KVCache, tokens: jax.Array, positions: jax.Array, logit_
     return logits, constrain(cache, mesh)
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "room"))
-def to_ragged(cache: KVCache, *, layout: Layout, room: int) -> RaggedCache:
-    """The cache's entries in the per-layer `layout` (`kvjax.cache_ragged`), `room` free slots per head."""
+@functools.partial(jax.jit, static_argnames=("layout", "room", "kv_quant"))
+def to_ragged(cache: KVCache, *, layout: Layout, room: int, kv_quant: KVQuant | None = None) -> RaggedCache:
+    """The cache's entries in the per-layer `layout` (`kvjax.cache_ragged`), `room` free slots per head;
+    quantized (`kvjax.cache_quant_ragged`) when `kv_quant` is given."""
     TRACE_COUNTS["to_ragged"] += 1
+    if kv_quant is not None:
+        return cache_quant_ragged.from_cache(cache, layout, room, kv_quant)
     return from_cache(cache, layout, room)
 
 

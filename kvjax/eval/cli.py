@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
            "(default: one-shot prefill)")
     a("--cache-layout", choices=["dense", "ragged"],
       help="decode cache layout: dense [L,B,Hkv,C,D] (default) or ragged, where adaptive budgets (pyramidkv, "
-           "ada_*, cake) store only the entries they keep (README, 'Ragged decode layout'); answers are the same, "
-           "the recorded cache bytes are not")
+           "ada_*, cake) store only the entries they keep (README, 'Ragged decode layout'; quantized too with "
+           "--kv-quant); answers are the same, the recorded cache bytes are not")
     a("--kv-quant", nargs="+", metavar="STORAGE",
       help="KV storages, space or comma separated: 'none' (the model dtype) or presets of kvjax.kv_quant.PRESETS "
            f"({', '.join(KV_QUANT_PRESETS)}); every setting, the full cache included, runs at each; the kept "

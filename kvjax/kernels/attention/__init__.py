@@ -12,8 +12,8 @@ from kvjax.kernels.attention.api import (
     default_order,
     order,
 )
-from kvjax.kernels.attention.keys import Keys, QuantizedKeys, SegmentedKeys
+from kvjax.kernels.attention.keys import Keys, QuantizedKeys, QuantizedSegmentedKeys, SegmentedKeys
 from kvjax.kernels.attention.reference import softcap
 
 __all__ = ["ENV_VAR", "IMPLEMENTATIONS", "RETURNS", "Attention", "Keys", "Options",
-           "QuantizedKeys", "SegmentedKeys", "attention", "default_order", "order", "softcap"]
+           "QuantizedKeys", "QuantizedSegmentedKeys", "SegmentedKeys", "attention", "default_order", "order", "softcap"]

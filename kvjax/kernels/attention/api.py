@@ -24,6 +24,9 @@ Implementations (`IMPLEMENTATIONS`):
   segment       decode attention over `SegmentedKeys` (the ragged layout's per-head segments)
   quantized     one query over `QuantizedKeys`: the quantized decode kernel (codes dequantized inside
                 it) and the full-precision window, merged; out + lse + probs
+  segment_quantized  one query over `QuantizedSegmentedKeys` (the ragged layout's quantized segments):
+                dequantized per segment inside the computation (`segment_quantized`) and the window,
+                merged; out + lse
   dequantized   several queries over `QuantizedKeys`, through a dequantized copy (no decode path uses it)
   materialized  probabilities materialised (`reference.attend`); out + probs
   blocked       `reference.attend_blocked`: query blocks of `reference.QUERY_BLOCK`; out (+ column mass)
@@ -46,8 +49,8 @@ from flax import struct
 
 from kvjax import _compat
 from kvjax.kernels._dispatch import resolve_implementation
-from kvjax.kernels.attention import flash_xla, quantized, reference, splash_tpu
-from kvjax.kernels.attention.keys import Keys, QuantizedKeys, SegmentedKeys
+from kvjax.kernels.attention import flash_xla, quantized, reference, segment_quantized, splash_tpu
+from kvjax.kernels.attention.keys import Keys, QuantizedKeys, QuantizedSegmentedKeys, SegmentedKeys
 from kvjax.kernels.column_mass.api import column_mass as column_mass_op
 from kvjax.kernels.decode_attention.api import decode_attention
 from kvjax.kernels.segment_attention import segment_decode_attention
@@ -171,6 +174,16 @@ def _quantized(q: jax.Array, keys: object, q_pos: jax.Array, o: Options) -> Atte
     return Attention(out=out, lse=lse, probs=probs)
 
 
+def _segment_quantized(q: jax.Array, keys: object, q_pos: jax.Array, o: Options) -> Attention:
+    if not isinstance(keys, QuantizedSegmentedKeys):
+        raise NotImplementedError(f"segment_quantized reads QuantizedSegmentedKeys, not {type(keys).__name__}")
+    if q.shape[2] != 1 or o.window is not None or o.differentiable:
+        raise NotImplementedError("segment_quantized takes one query, no window, forward only")
+    o.provides("segment_quantized", {"lse"})
+    out, lse = segment_quantized.decode(q, keys, q_pos, scale=o.scale, softcap=o.softcap)
+    return Attention(out=out, lse=lse)
+
+
 def _dequantized(q: jax.Array, keys: object, q_pos: jax.Array, o: Options) -> Attention:
     if not isinstance(keys, QuantizedKeys):
         raise NotImplementedError(f"dequantized reads QuantizedKeys, not {type(keys).__name__}")
@@ -214,6 +227,7 @@ IMPLEMENTATIONS: dict[str, tuple[Implementation, tuple[str, ...]]] = {
     "flash": (_flash, ALL_BACKENDS),
     "segment": (_segment, ALL_BACKENDS),
     "quantized": (_quantized, ALL_BACKENDS),
+    "segment_quantized": (_segment_quantized, ALL_BACKENDS),
     "dequantized": (_dequantized, ALL_BACKENDS),
     "materialized": (_materialized, ALL_BACKENDS),
     "blocked": (_blocked, ALL_BACKENDS),

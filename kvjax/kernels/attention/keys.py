@@ -11,6 +11,10 @@ them); an attention implementation accepts the kinds it can read and declines th
                  when `config.rotation`), pos [B,Hkv,S]; and a full-precision window rk, rv [B,Hkv,R,D]
                  (not rotated) with rpos [B,Hkv,R] and rslot [B,Hkv,R], the slot each entry stands for
                  (-1 = empty); config: the static `kvjax.kv_quant.KVQuant`.
+  QuantizedSegmentedKeys  the segmented layout quantized: k, v `Quantized` over [B,S,...] (one flat run per
+                 row, KV head h owning the slots whose seg is h, as in `SegmentedKeys`; rotated when
+                 `config.rotation`), pos, seg [B,S] (-1 = not attended: empty, or held by the window);
+                 and the per-head full-precision window rk, rv [B,Hkv,R,D] (not rotated), rpos [B,Hkv,R].
 """
 
 from __future__ import annotations
@@ -46,4 +50,16 @@ class QuantizedKeys:
     rv: jax.Array
     rpos: jax.Array
     rslot: jax.Array
+    config: Any = struct.field(pytree_node=False, default=None)
+
+
+@struct.dataclass
+class QuantizedSegmentedKeys:
+    k: Any
+    v: Any
+    pos: jax.Array
+    seg: jax.Array
+    rk: jax.Array
+    rv: jax.Array
+    rpos: jax.Array
     config: Any = struct.field(pytree_node=False, default=None)

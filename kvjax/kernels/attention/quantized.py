@@ -17,9 +17,10 @@ from kvjax.kernels.attention.reference import attend, softcap as apply_softcap
 from kvjax.kernels.quantized_attention import quantized_decode_attention
 
 
-def _window(q: jax.Array, keys: QuantizedKeys, q_pos: jax.Array, scale: float, cap: float | None
-            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The window's part: out [B,Hq,D] f32, lse [B,Hq] (MASK_VALUE when empty), logits [B,Hkv,G,R]."""
+def window(q: jax.Array, keys: QuantizedKeys, q_pos: jax.Array, scale: float, cap: float | None
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The window's part: out [B,Hq,D] f32, lse [B,Hq] (MASK_VALUE when empty), logits [B,Hkv,G,R].
+    keys: any key set with a window (rk, rv [B,Hkv,R,D], rpos [B,Hkv,R])."""
     B, Hq, D = q.shape
     Hkv = keys.rk.shape[1]
     qg = q.reshape(B, Hkv, Hq // Hkv, D).astype(jnp.float32)
@@ -35,6 +36,16 @@ def _window(q: jax.Array, keys: QuantizedKeys, q_pos: jax.Array, scale: float, c
     return out.reshape(B, Hq, D), lse.reshape(B, Hq), s
 
 
+def merge(out_q: jax.Array, lse_q: jax.Array, out_r: jax.Array, lse_r: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Two attention parts over disjoint keys (out [B,Hq,D], lse [B,Hq], MASK_VALUE = saw nothing) as one
+    softmax over both: out [B,Hq,D] float32 (0 where neither saw a key), lse [B,Hq] (0 there)."""
+    lse = jnp.logaddexp(lse_q, lse_r)
+    seen = jnp.maximum(lse_q, lse_r) > MASK_VALUE / 2
+    wq, wr = jnp.exp(lse_q - lse), jnp.exp(lse_r - lse)
+    out = jnp.where(seen[..., None], wq[..., None] * out_q + wr[..., None] * out_r, 0.0)
+    return out, jnp.where(seen, lse, 0.0)
+
+
 def decode(q: jax.Array, keys: QuantizedKeys, q_pos: jax.Array, *, scale: float, softcap: float | None,
            with_probs: bool) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """One query per row, q [B,Hq,1,D]: out [B,Hq,1,D] (q dtype), lse [B,Hq,1] and, when asked, the
@@ -48,12 +59,8 @@ def decode(q: jax.Array, keys: QuantizedKeys, q_pos: jax.Array, *, scale: float,
     out_q, lse_q, logits = quantized_decode_attention(kv_quant.rotate(q1, cfg), keys.k, keys.v, visible, scale=scale,
                                                       config=cfg, softcap=softcap)
     out_q = kv_quant.rotate(out_q, cfg)  # H @ H = I: rotated back
-    out_r, lse_r, logits_r = _window(q1, keys, q_pos, scale, softcap)
-    lse = jnp.logaddexp(lse_q, lse_r)
-    seen = jnp.maximum(lse_q, lse_r) > MASK_VALUE / 2
-    wq, wr = jnp.exp(lse_q - lse), jnp.exp(lse_r - lse)
-    out = jnp.where(seen[..., None], wq[..., None] * out_q + wr[..., None] * out_r, 0.0)
-    lse = jnp.where(seen, lse, 0.0)
+    out_r, lse_r, logits_r = window(q1, keys, q_pos, scale, softcap)
+    out, lse = merge(out_q, lse_q, out_r, lse_r)
     probs = None
     if with_probs:
         lg = lse.reshape(B, Hkv, G, 1)

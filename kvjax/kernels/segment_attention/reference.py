@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from kvjax.kernels._common import MASK_VALUE
+
 
 def segment_decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, seg: jax.Array, *,
                              num_kv_heads: int, scale: float, softcap: float | None = None) -> jax.Array:
@@ -24,6 +26,17 @@ def segment_decode_attention(query: jax.Array, keys: jax.Array, values: jax.Arra
     softcap: logits -> softcap * tanh(logits / softcap) before the softmax (Gemma 2).
     Returns out [B,Hq,D] in the query dtype; a head with no attended slot gets 0 (never NaN).
     """
+    out, _ = segment_decode_attention_lse(query, keys, values, seg, num_kv_heads=num_kv_heads, scale=scale,
+                                          softcap=softcap)
+    return out.astype(query.dtype)
+
+
+def segment_decode_attention_lse(query: jax.Array, keys: jax.Array, values: jax.Array, seg: jax.Array, *,
+                                 num_kv_heads: int, scale: float, softcap: float | None = None
+                                 ) -> tuple[jax.Array, jax.Array]:
+    """`segment_decode_attention` with its log-sum-exp, to be merged with attention over other keys:
+    out [B,Hq,D] float32 (0 for a head with no attended slot) and lse [B,Hq] float32 (`MASK_VALUE` for
+    such a head)."""
     B, Hq, D = query.shape
     S = keys.shape[1]
     H = num_kv_heads
@@ -46,5 +59,7 @@ def segment_decode_attention(query: jax.Array, keys: jax.Array, values: jax.Arra
     denom = jax.ops.segment_sum(p, ids, num_segments=n, indices_are_sorted=True)
     vals = jnp.where(ok[..., None], values, jnp.zeros((), values.dtype)).reshape(B * S, 1, D)
     num = jax.ops.segment_sum(p[..., None] * vals.astype(jnp.float32), ids, num_segments=n, indices_are_sorted=True)
-    out = num / jnp.where(denom > 0, denom, 1.0)[..., None]
-    return out.reshape(B, Hq, D).astype(query.dtype)
+    seen = denom > 0
+    out = num / jnp.where(seen, denom, 1.0)[..., None]
+    lse = jnp.where(seen, jnp.where(seen, m, 0.0) + jnp.log(jnp.where(seen, denom, 1.0)), MASK_VALUE)
+    return out.reshape(B, Hq, D), lse.reshape(B, Hq)
