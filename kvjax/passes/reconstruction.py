@@ -29,10 +29,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from kvjax.cache import KVCache
-from kvjax.kernels import _common, masked_softmax
+from kvjax.kernels import masked_softmax
 from kvjax.models.config import ModelConfig
 from kvjax.models.forward import extend
 from kvjax.observations.base import Observation
@@ -113,6 +114,35 @@ QUERY_BLOCK = 256  # the most queries per block
 KEY_BLOCK = 256  # own keys per block of the log-sum-exp loop
 
 
+# finite "minus infinity" for masked logits: exp(MASK - m) underflows to 0 without inf - inf = NaN
+_MASK = -0.7 * float(np.finfo(np.float32).max)
+_INT_BIG = int(np.iinfo(np.int32).max)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def _pad(x: jax.Array, axis: int, size: int, value: Any = 0) -> jax.Array:
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _block_ranges(qpos: jax.Array, kpos: jax.Array, bq: int, bk: int) -> tuple[jax.Array, jax.Array]:
+    """[lo, hi) [nQ] int32: the key blocks that may hold a key some query of each query block sees
+    (0 <= kpos <= qpos), over the batch and heads together; lo = hi = 0 when none. Exact for any
+    positions: a block outside holds no visible pair. qpos [B,Tp], kpos [B,Hkv,Sp] (-1 = none)."""
+    b, tp = qpos.shape
+    qmax = jnp.max(qpos.reshape(b, tp // bq, bq), axis=-1)[:, None, :, None]  # [B,1,nQ,1]
+    kmin = jnp.min(jnp.where(kpos >= 0, kpos, _INT_BIG).reshape(b, kpos.shape[1], -1, bk), axis=-1)
+    some = jnp.any(kmin[:, :, None, :] <= qmax, axis=(0, 1))  # [nQ,nK]
+    idx = jnp.arange(some.shape[1], dtype=jnp.int32)
+    hi = jnp.max(jnp.where(some, idx + 1, 0), axis=1).astype(jnp.int32)
+    lo = jnp.min(jnp.where(some, idx, _INT_BIG), axis=1)
+    return jnp.where(hi > 0, lo, 0).astype(jnp.int32), hi
+
+
 def query_block(b: int, hq: int, n: int, s: int) -> int:
     """A power of two in [8, QUERY_BLOCK] query rows, smaller when a [B,Hq,block,S] tile would be large,
     and no larger than n needs."""
@@ -134,24 +164,24 @@ def subsampled_column_max(queries: jax.Array, query_positions: jax.Array, ctx_ke
 
     The queries run in blocks (a scan): a block's logits on the context keys [B,Hkv,G,block,S] are formed
     once; the own keys add only to each query's log-sum-exp (online max and sum over own-key blocks, the
-    blocks holding no visible key skipped: `_common.key_block_ranges`); then p = exp(s - lse) on the
+    blocks holding no visible key skipped); then p = exp(s - lse) on the
     context columns and its max over the block. Never more than one block's [block x S] at a time.
     """
     b, hq, n, d = queries.shape
     hkv, s, m = ctx_keys.shape[1], ctx_keys.shape[2], own_keys.shape[2]
     g = hq // hkv
     qb = block or query_block(b, hq, n, s)
-    bk = key_block or min(KEY_BLOCK, _common.round_up(max(m, 1), 8))
-    npad, mpad = _common.round_up(n, qb), _common.round_up(max(m, 1), bk)
+    bk = key_block or min(KEY_BLOCK, _round_up(max(m, 1), 8))
+    npad, mpad = _round_up(n, qb), _round_up(max(m, 1), bk)
     nq, nk = npad // qb, mpad // bk
-    qpos = _common.pad_axis(query_positions.astype(jnp.int32), 1, npad, -1)
-    q = _common.pad_axis(queries, 2, npad).reshape(b, hkv, g, nq, qb, d)
-    opos = _common.pad_axis(own_positions.astype(jnp.int32), 2, mpad, -1)
-    lo, hi, _ = _common.key_block_ranges(qpos, opos, qb, bk)
-    ko = _common.pad_axis(own_keys, 2, mpad).reshape(b, hkv, nk, bk, d).transpose(2, 0, 1, 3, 4)
+    qpos = _pad(query_positions.astype(jnp.int32), 1, npad, -1)
+    q = _pad(queries, 2, npad).reshape(b, hkv, g, nq, qb, d)
+    opos = _pad(own_positions.astype(jnp.int32), 2, mpad, -1)
+    lo, hi = _block_ranges(qpos, opos, qb, bk)
+    ko = _pad(own_keys, 2, mpad).reshape(b, hkv, nk, bk, d).transpose(2, 0, 1, 3, 4)
     opb = opos.reshape(b, hkv, nk, bk).transpose(2, 0, 1, 3)[:, :, :, None, None, :]  # [nK,B,Hkv,1,1,bk]
     cpos = ctx_positions.astype(jnp.int32)[:, :, None, None, :]  # [B,Hkv,1,1,S]
-    mask = _common.MASK_VALUE
+    mask = _MASK
 
     def logits(qc: jax.Array, k: jax.Array) -> jax.Array:
         return jnp.einsum("bhgcd,bhsd->bhgcs", qc, k, precision=lax.Precision.HIGHEST,
@@ -189,9 +219,13 @@ def subsampled_column_max_reference(queries: jax.Array, query_positions: jax.Arr
                                     ctx_positions: jax.Array, own_keys: jax.Array, own_positions: jax.Array, *,
                                     scale: float) -> jax.Array:
     """`subsampled_column_max` with the [B,Hq,n,S+m] probabilities materialised (tests, small sizes)."""
+    b, hq, n, d = queries.shape
+    hkv = ctx_keys.shape[1]
     keys = jnp.concatenate([ctx_keys, own_keys.astype(ctx_keys.dtype)], axis=2)
-    kpos = jnp.concatenate([ctx_positions, own_positions], axis=2).astype(jnp.int32)
-    lg, see = _common.grouped_logits(queries, keys, query_positions.astype(jnp.int32), kpos, scale=scale)
+    kpos = jnp.concatenate([ctx_positions, own_positions], axis=2).astype(jnp.int32)[:, :, None, None, :]
+    lg = jnp.einsum("bhgtd,bhsd->bhgts", queries.reshape(b, hkv, hq // hkv, n, d), keys,
+                    precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32) * scale
+    see = (kpos >= 0) & (kpos <= query_positions.astype(jnp.int32)[:, None, None, :, None])
     return jnp.max(masked_softmax(lg, see)[..., : ctx_keys.shape[2]], axis=(2, 3))
 
 
