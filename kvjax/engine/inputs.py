@@ -79,13 +79,18 @@ def chat_template_parts(tokenizer: Any) -> tuple[str, str] | None:
     """The chat template's text before and after a user turn's content, found as kvpress 0.5.5 does
     (`KVzipPress.__call__`): one user turn "dummy context" + "\\n" + "#" * 13 rendered with the
     generation prompt (enable_thinking=False), cut at the "\\n###..." separator and at the content.
-    None when the tokenizer has no chat template."""
+    None when the tokenizer has no chat template (or one that rewrites the content)."""
     if not getattr(tokenizer, "chat_template", None) or not hasattr(tokenizer, "apply_chat_template"):
         return None
     dummy = "dummy context"
     separator = "\n" + "#" * len(dummy)
-    text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True,
-                                         tokenize=False, enable_thinking=False)
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                             add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    except Exception:  # a template that refuses a lone user turn (jinja raises its own errors): unknown parts
+        return None
+    if text.count(separator) != 1 or dummy not in text.split(separator)[0]:
+        return None  # a template that rewrites the turn's content: its parts are unknown
     head, suffix = text.split(separator)
     return head.split(dummy)[0], suffix
 

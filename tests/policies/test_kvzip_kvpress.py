@@ -240,3 +240,28 @@ def test_raw_prompts_fall_back_and_mixed_batches_are_refused(models):
     assert not isinstance(out[1], ValueError)
     with pytest.raises(ValueError, match="repeat"):
         KVzip(repeat="kvzip")
+
+
+def test_template_parts_without_a_usable_template():
+    """No tokenizer, no template, a template that refuses a lone user turn or rewrites its content: the
+    engine knows no prompt format (KVzip then runs its fixed passes); a plain one is cut around the content."""
+
+    class Template:
+        chat_template = "a template"
+
+        def __init__(self, render):
+            self.render = render
+
+        def apply_chat_template(self, messages, **kw):
+            return self.render(messages[0]["content"])
+
+    def refuse(content):
+        raise RuntimeError("this template needs a system turn")
+
+    class NoTemplate:
+        chat_template = None
+
+    assert chat_template_parts(None) is None and chat_template_parts(NoTemplate()) is None
+    assert chat_template_parts(Template(refuse)) is None
+    assert chat_template_parts(Template(lambda c: "<u>" + c.upper() + "</u>")) is None
+    assert chat_template_parts(Template(lambda c: "<s><u>" + c + "</u><a>")) == ("<s><u>", "</u><a>")
