@@ -31,6 +31,7 @@ from kvjax.engine.inputs import (
     pad_id,
     pad_rows,
     prepare,
+    prompt_format,
     put_batch,
     split_rows,
 )
@@ -39,7 +40,7 @@ from kvjax.kv_quant import resolve as resolve_kv_quant
 from kvjax.models.config import ModelConfig
 from kvjax.models.model import Model
 from kvjax.policies import Plan, Policy, resolve
-from kvjax.policies.base import check_budget, row_budgets
+from kvjax.policies.base import PromptFormat, check_budget, row_budgets
 from kvjax.policies.registry import canonical_name, check_chunked_prefill, name_of
 from kvjax.sampling import Sampler
 
@@ -229,21 +230,39 @@ class _Part:
                          bucket=self.bucket, room=self.room, question_tokens=self.question_tokens)
 
 
-def _plan_runs(model: Model, settings: Sequence[Setting], parts: list[_Part], *, on_error: str
-               ) -> list[list[_Run | ValueError]]:
-    """Resolves and plans every setting for every sub-batch: [part][setting]. A setting its policy
-    rejects for some rows (a budget below what it protects, a row too short) raises, or with
+def _for_prompts(st: Setting, fmt: PromptFormat | None) -> Policy | ValueError | None:
+    """The setting's policy for this batch's prompt format (`Policy.for_prompts`), or its refusal."""
+    if st.policy is None:
+        return None
+    policy = resolve(st.policy)  # an unknown name raises here, whatever on_error says
+    try:
+        return policy.for_prompts(fmt)
+    except ValueError as err:
+        return err
+
+
+def _plan_runs(model: Model, settings: Sequence[Setting], parts: list[_Part], *, on_error: str,
+               fmt: PromptFormat | None = None) -> list[list[_Run | ValueError]]:
+    """Resolves and plans every setting for every sub-batch: [part][setting]. Each policy is first
+    fitted to the request's prompt format `fmt` (`Policy.for_prompts`: KVzip's kvpress passes on
+    chat-templated prompts). A setting its policy rejects for some rows (a budget below what it
+    protects, a row too short, a batch mixing chat-templated and raw prompts) raises, or with
     on_error="return" takes the error's place in every sub-batch."""
     if on_error not in ("raise", "return"):
         raise ValueError(f"on_error must be 'raise' or 'return', got {on_error!r}")
     settings = [st if isinstance(st, Setting) else Setting(*st) for st in settings]
-    resolved = [None if st.policy is None else resolve(st.policy) for st in settings]
-    table = [[_plan(model.config, st, policy, part) for st, policy in zip(settings, resolved)] for part in parts]
+    resolved = [_for_prompts(st, fmt) for st in settings]
+    table = [[p if isinstance(p, ValueError) else _plan(model.config, st, p, part)
+              for st, p in zip(settings, resolved)] for part in parts]
     for s, (st, policy) in enumerate(zip(settings, resolved)):
         err = next((row[s] for row in table if isinstance(row[s], ValueError)), None)
         if err is None:
             continue
-        err = _plan_error(policy, st, parts, model.config, err)
+        if isinstance(policy, ValueError):
+            what = f"budget={st.budget}" if st.budget is not None else f"compression_ratio={st.compression_ratio:g}"
+            err = ValueError(f"policy {st.policy_name!r} at {what}: {policy}")
+        else:
+            err = _plan_error(policy, st, parts, model.config, err)
         if on_error == "raise":
             raise err from None
         for row in table:
@@ -531,7 +550,8 @@ def generate_settings(
                     top_k=top_k, top_p=top_p, stop_tokens=stop_tokens, chat_template=chat_template, buckets=buckets,
                     question_tokens=question_tokens, decode_tokens=decode_tokens)
     subs = _sub_batches(model, batch, split)
-    table = _plan_runs(model, settings, [_Part.of(index, sub) for index, sub in subs], on_error=on_error)
+    table = _plan_runs(model, settings, [_Part.of(index, sub) for index, sub in subs], on_error=on_error,
+                       fmt=prompt_format(model, batch.rows))
     key = jax.random.PRNGKey(0) if key is None else key
     outs = [_generate_part(model, sub, runs, key if len(subs) == 1 else jax.random.fold_in(key, j), cache_layout)
             for j, ((_, sub), runs) in enumerate(zip(subs, table))]
@@ -650,7 +670,8 @@ def compress(
         raise ValueError("compress needs a policy (a registered name or a policy object), got None")
     setting = Setting(policy, compression_ratio, budget, prefill_chunk)
     batch = prepare(model, prompts, max_new_tokens=1, chat_template=chat_template, buckets=buckets)
-    (runs,) = _plan_runs(model, [setting], [_Part.of(np.arange(len(batch.rows)), batch)], on_error="raise")
+    (runs,) = _plan_runs(model, [setting], [_Part.of(np.arange(len(batch.rows)), batch)], on_error="raise",
+                         fmt=prompt_format(model, batch.rows))
     tokens, positions = batch.prompt_arrays(model.mesh)
     (_, cache, _), = _prefill_runs(model, runs, tokens, positions, jax.random.PRNGKey(0), batch.sampler,
                                    bucket=batch.bucket, capacity=batch.bucket, rows=batch.rows, pad=batch.pad_id)
@@ -700,7 +721,7 @@ def _continuation_part(model: Model, setting: Setting, rows: list[list[int]], co
     T = bucket_length(int(lengths.max()), buckets)
     n = bucket_length(int(c_lengths.max()), buckets)
     part = _Part(np.arange(len(rows)), lengths, bucket=T, room=n, question_tokens=n)
-    (runs,) = _plan_runs(model, [setting], [part], on_error="raise")
+    (runs,) = _plan_runs(model, [setting], [part], on_error="raise", fmt=prompt_format(model, rows))
     tokens, positions = put_batch(model.mesh, *pad_rows(rows, T, pad_id(model)))
     (_, cache, _), = _prefill_runs(model, runs, tokens, positions, jax.random.PRNGKey(0), Sampler(), bucket=T,
                                    capacity=T + n, rows=rows, pad=pad_id(model))

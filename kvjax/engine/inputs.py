@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax.models.model import Model
+from kvjax.policies.base import PromptFormat
 from kvjax.sampling import Sampler
 from kvjax.sharding import logical_sharding
 
@@ -72,6 +73,46 @@ def encode_prompts(model: Model, prompts: Any, *, chat_template: bool = False, w
             raise ValueError(f"{what}[{i}] has token ids {bad[:5]} outside the vocabulary [0, {vocab})")
         out.append(list(ids))
     return out
+
+
+def chat_template_parts(tokenizer: Any) -> tuple[str, str] | None:
+    """The chat template's text before and after a user turn's content, found as kvpress 0.5.5 does
+    (`KVzipPress.__call__`): one user turn "dummy context" + "\\n" + "#" * 13 rendered with the
+    generation prompt (enable_thinking=False), cut at the "\\n###..." separator and at the content.
+    None when the tokenizer has no chat template (or one that rewrites the content)."""
+    if not getattr(tokenizer, "chat_template", None) or not hasattr(tokenizer, "apply_chat_template"):
+        return None
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}],
+                                             add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    except Exception:  # a template that refuses a lone user turn (jinja raises its own errors): unknown parts
+        return None
+    if text.count(separator) != 1 or dummy not in text.split(separator)[0]:
+        return None  # a template that rewrites the turn's content: its parts are unknown
+    head, suffix = text.split(separator)
+    return head.split(dummy)[0], suffix
+
+
+def prompt_format(model: Model, rows: list[list[int]]) -> PromptFormat | None:
+    """What the engine knows of how `rows` were written (`kvjax.policies.base.PromptFormat`), from the
+    model's tokenizer: None without a tokenizer or a chat template; else the template's prefix and suffix
+    ids (`chat_template_parts`, encoded without special tokens, as kvpress does) and, per row, whether it
+    starts with the prefix ids and goes on after them (chat-templated: `generate(..., chat_template=True)`,
+    or ids the caller rendered with the template, as the eval does)."""
+    tok = model.tokenizer
+    parts = chat_template_parts(tok)
+    if parts is None:
+        return None
+
+    def encode(text: str) -> tuple[int, ...]:
+        return tuple(int(t) for t in tok.encode(text, add_special_tokens=False))
+
+    prefix, suffix = (encode(t) for t in parts)
+    n = len(prefix)
+    templated = tuple(n > 0 and len(r) > n and tuple(int(t) for t in r[:n]) == prefix for r in rows)
+    return PromptFormat(prefix_ids=prefix, suffix_ids=suffix, templated=templated, encode=encode)
 
 
 def pad_rows(rows: list[list[int]], length: int, pad_id: int, offsets: np.ndarray | None = None

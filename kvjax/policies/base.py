@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import jax
@@ -122,6 +122,24 @@ def as_bool(x: Any) -> jax.Array:
     return jnp.asarray(x, dtype=jnp.bool_)
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptFormat:
+    """How a batch's prompts were written, as the engine knows it from the model's tokenizer (host side;
+    `kvjax.engine.inputs.prompt_format`), for policies whose passes add tokens of their own (KVzip's
+    repeat instructions). A policy never sees the tokenizer itself.
+
+    prefix_ids: the chat template's tokens before a user turn's content (system turn, user header), and
+      suffix_ids: those after it (end of turn, assistant header), both as kvpress 0.5.5 finds them
+      (`apply_chat_template` of a dummy turn, cut around the content);
+    templated [B]: whether each prompt starts with prefix_ids (and goes on after them): chat-templated;
+    encode: plain text -> token ids, no special tokens added (the tokenizer's `encode`)."""
+
+    prefix_ids: tuple[int, ...]
+    suffix_ids: tuple[int, ...]
+    templated: tuple[bool, ...]
+    encode: Callable[[str], tuple[int, ...]] = dataclasses.field(compare=False, repr=False)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Policy:
     """Base of every policy: a frozen dataclass of hyperparameters plus pure functions.
@@ -170,6 +188,12 @@ class Policy:
         """The smallest prefill chunk this policy accepts: its observation window (the last `window`
         queries of every chunk score the cache), at least 1."""
         return max(1, self.requirements().observe.window)
+
+    def for_prompts(self, fmt: PromptFormat | None) -> Policy:
+        """The policy to run on a batch whose prompts are written as `fmt` (None: the engine knows no chat
+        template for them: token ids, or a model without one). The engine calls it once per request,
+        before planning; the default is the policy itself. Raises ValueError for a batch it cannot run."""
+        return self
 
     def observation_inputs(self) -> Any:
         """The traced inputs (a pytree, or None) that the passes the policy's spec runs after the prefill

@@ -75,7 +75,8 @@ _PRESETS: dict[str, Policy] = {
     "defensivekv": DefensiveKV(),
     "layer_defensivekv": DefensiveKV(layer_wise=True),
     "kvzip": KVzip(),
-    "kvzip_kvpress": KVzip(**_KVPRESS),
+    # kvpress's KVzipPress: its repeat instructions and chat-template suffix, the context after the prefix
+    "kvzip_kvpress": KVzip(repeat="kvpress", **_KVPRESS),
     "knorm": KNorm(),
     "knorm_kvpress": KNorm(skip_layers=(), **_KVPRESS),
     "lazy_eviction": LazyEviction(),
