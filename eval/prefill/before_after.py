@@ -2,7 +2,7 @@
 fresh process, so that the machine's load falls on both alike; writes a table of each program's median
 over the runs, old beside new.
 
-    python eval/prefill/before_after.py OLD_CHECKOUT NEW_CHECKOUT --rounds 2 --out eval/prefill/seams_before_after.md \
+    python eval/prefill/before_after.py --rounds 2 --out eval/prefill/seams_before_after.md OLD_CHECKOUT NEW_CHECKOUT \
         -- --lengths 4096 16384 --repeats 3
 """
 
