@@ -42,6 +42,7 @@ Choices and why:
   flush writes whole groups). Decode writes at most room - 1 tokens, so a window of W flushes exactly
   when a window of `residual` would (never, when residual >= room): the same entries are quantized as in
   the stacked quantized cache, and a 128-entry full-precision window (the int4 presets) is not paid for
+  (`cache_quant.window_size`, which the stacked quantized cache uses too)
   a 16-token decode room. The stacked cache keeps W = max(residual, 1) (the same sizing would shrink it).
 - **Flushes in fixed-size groups**: appends go to the window; when a head's window holds W entries they
   are quantized at once into their slots (a `lax.cond`, fixed shapes, no recompilation).
@@ -61,7 +62,7 @@ from jax.sharding import Mesh
 
 from kvjax import cache_ragged
 from kvjax.cache import KVCache
-from kvjax.cache_quant import QuantizedStorage, key_group, quantize_slots, window_from
+from kvjax.cache_quant import QuantizedStorage, key_group, quantize_slots, window_from, window_size
 from kvjax.cache_ragged import DenseLayer, Layout, RaggedCache, SegmentedLayer
 from kvjax.kernels.attention import QuantizedKeys, QuantizedSegmentedKeys
 from kvjax.kv_quant import KVQuant, Quantized
@@ -142,14 +143,6 @@ class QuantizedSegmentedLayer(QuantizedStorage):
 def segment_align(config: KVQuant) -> int:
     """The slot multiple every segment starts on (`choose_layout`'s align): the key group."""
     return key_group(config)
-
-
-def window_size(config: KVQuant, room: int) -> int:
-    """The full-precision window's entries per head (module docstring): as many as decoding can put in it
-    before a window of `residual` would flush, at most `residual`."""
-    G = key_group(config)
-    need = room if G == 1 else -(-(G - 1 + room) // G) * G
-    return min(max(config.residual, 1), need)
 
 
 def choose_layout(counts, room: int, config: KVQuant, granule: int = 1) -> Layout:

@@ -240,6 +240,24 @@ def test_decode_time_eviction_and_stats_on_quantized_storage(bundled):
     assert (out.kv_bytes16_mean < 0.6 * full.kv_bytes16_mean).all()  # int8 codes + one scale per entry
 
 
+def test_decode_time_capacity_is_the_dense_runs_with_per_token_scales(bundled, monkeypatch):
+    """H2O at budget 40 over 24 decode steps: per-token scales (int4) reuse freed slots, so the quantized
+    cache has the dense run's capacity; per-channel key groups (int4_kivi) need consecutive slots and get
+    one more per decode step."""
+    prompts = _prompts(bundled, (300, 200))
+    decode, capacity = steps.decode, {}
+
+    def record(params, cache, *args, **kwargs):
+        capacity[getattr(cache, "config", None) and cache.config.name] = cache.capacity
+        return decode(params, cache, *args, **kwargs)
+
+    monkeypatch.setattr(steps, "decode", record)
+    for quant in (None, "int4", "int4_kivi"):
+        kvjax.generate(bundled, prompts, policy="h2o", budget=40, max_new_tokens=24, stop_tokens=[], kv_quant=quant)
+    assert capacity["int4"] == capacity[None] < 64
+    assert capacity["int4_kivi"] >= capacity[None] + 24 - 1
+
+
 def test_no_recompilation_within_a_bucket(bundled):
     run = lambda n: kvjax.generate(bundled, _prompts(bundled, (n,), seed=n), policy="snapkv", compression_ratio=0.5,  # noqa: E731
                                    max_new_tokens=8, stop_tokens=[], kv_quant="int4")
@@ -248,3 +266,107 @@ def test_no_recompilation_within_a_bucket(bundled):
     run(220)
     run(240)
     assert dict(steps.TRACE_COUNTS) == before
+
+
+@pytest.mark.parametrize("config", [KVQuant("int2", residual=128),
+                                    KVQuant("int2", key_axis="channel", group=8, residual=64, asymmetric=True)])
+def test_window_is_sized_to_the_decode_room(bundled, monkeypatch, config):
+    """The stacked quantized cache's full-precision window holds what decoding can append and no more
+    (room entries per token; per-channel keys: the partial group left over plus room, rounded up to whole
+    groups), and decodes the tokens of the same run with the configuration's whole `residual` window
+    (int2: rounding large enough that an early flush would change them)."""
+    prompts = _prompts(bundled, (150, 90))
+    to_quantized, seen = steps.to_quantized, []
+
+    def whole_window(cache, *, config, room=None, reuse_slots=False):
+        seen.append(room)
+        out = to_quantized(cache, config=config, room=None, reuse_slots=reuse_slots)
+        seen.append(out.rk.shape[-2])
+        return out
+
+    sized = kvjax.generate(bundled, prompts, policy="snapkv", compression_ratio=0.5, max_new_tokens=20,
+                           stop_tokens=[], kv_quant=config)
+    monkeypatch.setattr(steps, "to_quantized", whole_window)
+    whole = kvjax.generate(bundled, prompts, policy="snapkv", compression_ratio=0.5, max_new_tokens=20,
+                           stop_tokens=[], kv_quant=config)
+    room, whole_w = seen[0], seen[1]  # (one call per batch of rows)
+    assert whole_w == config.residual and room >= 20
+    G = config.slot_group if config.key_axis == "channel" else 1
+    want = room if G == 1 else -(-(G - 1 + room) // G) * G
+    assert want < config.residual
+    dense = kvjax.engine.compress(bundled, prompts, policy="snapkv", compression_ratio=0.5)
+    assert to_quantized(dense, config=config, room=room).rk.shape[-2] == want
+    assert cache_quant.window_size(config, room) == want
+    assert cache_quant.window_size(config, None) == config.residual
+    np.testing.assert_array_equal(sized.tokens, whole.tokens)
+    assert sized.cache_bytes < whole.cache_bytes
+
+
+def test_slot_reuse_writes_freed_slots_and_flushes_them():
+    """Decode-time eviction with per-token scales (`reuse_slots`), against a NumPy simulation: each append
+    takes its head's first slot that is neither valid nor in the window, an entry evicted while in the
+    window frees its slot at once (a hole the flush skips), a full window is quantized into its entries'
+    own slots; attention's key set is the valid coded slots plus the window's live entries. Capacity 24
+    for 20 kept entries and 11 appends: without reuse the appends would run out of slots."""
+    config = KVQuant("int8", residual=4)
+    L, B, H, C, D = 2, 2, 2, 24, 64
+    qc = cache_quant.from_cache(_dense(C=C, kept=(20, 13)), config, reuse_slots=True)
+    assert qc.capacity == C and qc.window == 4
+    rng = np.random.RandomState(3)
+    valid = np.asarray(qc.valid).copy()
+    windowed = np.zeros_like(valid)
+    wslot = np.full((L, B, H, 4), -1)
+    count = np.zeros((L, B, H), int)
+    keys = {}  # (l, b, h, slot) -> the key written there last
+    for t in range(11):
+        k = rng.randn(B, H, 1, D).astype(np.float32)
+        pos = np.array([[20 + t], [13 + t]], np.int32)
+        slots = np.asarray(qc.write_slots(1))
+        for l in range(L):
+            qc = qc.write_layer(l, jnp.asarray(k), jnp.asarray(k), jnp.asarray(pos))
+        for l, b, h in np.ndindex(L, B, H):
+            s = int(np.flatnonzero(~(valid[l, b, h] | windowed[l, b, h]))[0])
+            assert slots[l, b, h, 0] == s
+            valid[l, b, h, s] = windowed[l, b, h, s] = True
+            wslot[l, b, h, count[l, b, h]] = s
+            count[l, b, h] += 1
+            keys[(l, b, h, s)] = k[b, h, 0]
+            if count[l, b, h] == 4:  # flush: the window's live entries become codes in their slots
+                windowed[l, b, h, wslot[l, b, h][wslot[l, b, h] >= 0]] = False
+                wslot[l, b, h], count[l, b, h] = -1, 0
+        # evict one random valid slot per head (a window entry now and then)
+        keep = np.ones((L, B, H, C), bool)
+        for l, b, h in np.ndindex(L, B, H):
+            keep[l, b, h, rng.choice(np.flatnonzero(valid[l, b, h]))] = False
+        qc = qc.evict(jnp.asarray(keep))
+        for l, b, h in np.ndindex(L, B, H):
+            gone = ~keep[l, b, h]
+            valid[l, b, h] &= ~gone
+            windowed[l, b, h] &= ~gone
+            wslot[l, b, h] = np.where(np.isin(wslot[l, b, h], np.flatnonzero(gone)), -1, wslot[l, b, h])
+        np.testing.assert_array_equal(np.asarray(qc.valid), valid)
+        np.testing.assert_array_equal(np.asarray(qc.windowed), windowed)
+        np.testing.assert_array_equal(np.asarray(qc.wslot), wslot)
+    deq = np.asarray(kv_quant.dequantize(qc.k, config))
+    rk = np.asarray(qc.rk)
+    seen = {"window": 0, "codes": 0}
+    for (l, b, h, s), kk in keys.items():
+        if not valid[l, b, h, s]:
+            continue
+        if windowed[l, b, h, s]:  # in the window: exact, at the entry that stands for it
+            j = int(np.flatnonzero(wslot[l, b, h] == s)[0])
+            np.testing.assert_array_equal(rk[l, b, h, j], kk)
+            seen["window"] += 1
+        else:  # flushed into its own slot
+            assert np.abs(deq[l, b, h, s] - kk).max() < 0.05
+            seen["codes"] += 1
+    assert seen["window"] and seen["codes"]
+    assert any(s < 20 for (l, b, h, s) in keys)  # appends did reuse slots freed below the prompt's entries
+    view = qc.layer_keys(1)
+    np.testing.assert_array_equal(np.asarray(view.rslot), wslot[1])
+    live = (wslot[1] >= 0)
+    want_rpos = np.where(live, np.take_along_axis(np.asarray(qc.pos[1]), np.maximum(wslot[1], 0), -1), -1)
+    np.testing.assert_array_equal(np.asarray(view.rpos), want_rpos)
+    np.testing.assert_array_equal(np.asarray(view.pos) >= 0, valid[1] & ~windowed[1])
+    with pytest.raises(ValueError, match="slot reuse needs per-token scales"):
+        cache_quant.from_cache(_dense(), KVQuant("int4", key_axis="channel", group=4, residual=8), reuse_slots=True)

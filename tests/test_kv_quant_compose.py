@@ -95,10 +95,12 @@ class _Capture:
 
     def __init__(self, monkeypatch, replace=None):
         self.dense, self.quantized, self.start, self.end, self.shardings = [], [], [], [], []
+        self.rooms = []
         to_quantized, decode = steps.to_quantized, steps.decode
 
-        def wrapped_to_quantized(cache, *, config):
-            out = to_quantized(cache, config=config)
+        def wrapped_to_quantized(cache, *, config, room=None, reuse_slots=False):
+            out = to_quantized(cache, config=config, room=room, reuse_slots=reuse_slots)
+            self.rooms.append(room)
             self.dense.append(jax.device_get(cache))
             self.quantized.append(jax.device_get(out))
             self.shardings.append(out.k.codes.sharding)
@@ -194,8 +196,8 @@ def test_decode_time_policy_evicts_on_the_dequantized_keys(bundled, monkeypatch,
     """int2 (naive group-wise: large errors), the window holding every decode token: the tokens and the
     entries kept at the end equal those of the same run over a dense cache whose entries were replaced by
     their dequantized values, and differ from the full-precision run's (so the comparison can fail). A budget
-    of 48 per head: the dense plan's capacity (about budget + 1, each write reusing a freed slot) is
-    smaller than the quantized layout's appends need, so this also checks the engine's room for them."""
+    of 48 per head: the quantized cache has the dense plan's capacity (about budget + 1), each decode
+    append reusing a slot an eviction freed (per-token scales)."""
     prompts = _prompts(bundled)
     assert kv_quant.PRESETS["int2"].residual >= ROOM  # decode appends stay in full precision, as in the dense run
     cap = _Capture(monkeypatch)
@@ -205,7 +207,7 @@ def test_decode_time_policy_evicts_on_the_dequantized_keys(bundled, monkeypatch,
     ref_cap = _Capture(monkeypatch, replace=_as_dense)
     ref = _run(bundled, prompts, name, budget=DECODE_BUDGET, kv_quant="int2")
     assert isinstance(ref_cap.end[0], KVCache) and isinstance(cap.end[0], cache_quant.QuantizedKVCache)
-    assert cap.start[0].capacity >= cap.start[1].capacity + ROOM - 1  # room for every decode append
+    assert cap.start[0].reuses_slots and cap.start[0].capacity == cap.start[1].capacity
     np.testing.assert_array_equal(quant.tokens, ref.tokens)
     assert _kept(cap.end[0]) == _kept(ref_cap.end[0])
     np.testing.assert_array_equal(quant.kept_final, ref.kept_final)
@@ -249,11 +251,12 @@ def test_sixteen_bit_storage_gives_the_unquantized_tokens_for_every_policy(bundl
         np.testing.assert_array_equal(q.kept_final, f.kept_final, err_msg=n)
 
 
-def test_decode_time_eviction_writes_every_token_past_the_dense_capacity(bundled16, monkeypatch):
-    """H2O plans a dense cache of budget + 1 slots (each write reuses the slot an eviction freed); the
-    quantized layout appends at each head's next slot, so the engine gives it room for every decode step.
-    Every generated token is then written and attended: bf16 storage gives the dense run's tokens, and each
-    head ends holding the last token (H2O protects its recent half)."""
+def test_decode_time_eviction_writes_every_token_into_freed_slots(bundled16, monkeypatch):
+    """H2O plans a dense cache of budget + 1 slots, each write reusing the slot an eviction freed; the
+    quantized layout (per-token scales) does the same: the same 41 slots however many tokens are decoded
+    (16 decode steps here, more than the one free slot). Every generated token is written and attended:
+    bf16 storage gives the dense run's tokens, and each head ends holding the last token (H2O protects
+    its recent half)."""
     prompts = _prompts(bundled16)
     cap = _Capture(monkeypatch)
     full = _run(bundled16, prompts, "h2o", budget=40)
@@ -261,7 +264,7 @@ def test_decode_time_eviction_writes_every_token_past_the_dense_capacity(bundled
     np.testing.assert_array_equal(quant.tokens, full.tokens)
     np.testing.assert_allclose(quant.kept_final, 40)
     end = cap.end[-1]
-    assert cap.start[0].capacity == 41 and end.capacity == 41 + ROOM
+    assert cap.start[0].capacity == 41 and end.capacity == 41 and end.reuses_slots and ROOM > 1
     newest = np.asarray(end.pos).max(-1)
     np.testing.assert_array_equal(newest, np.broadcast_to(np.asarray(LENGTHS)[None, :, None] + MAX_NEW - 2,
                                                           newest.shape))
@@ -370,7 +373,7 @@ def test_chunked_prefill_quantizes_the_chunked_selection(bundled, monkeypatch):
         assert _by_position_equal(one_shot, a.scale, one_chunk, b.scale), field
     dense = jax.device_get(kvjax.engine.compress(bundled, prompts, policy="snapkv", budget=48, prefill_chunk=32))
     assert _kept(chunked) == _kept(dense) != _kept(one_shot)  # chunking changed the selection, quantizing did not
-    ref = jax.device_get(cache_quant.from_cache(dense, config))
+    ref = jax.device_get(cache_quant.from_cache(dense, config, cap.rooms[-1]))
     for a, b in zip(jax.tree.leaves(chunked), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(quant.kept, 48)
@@ -467,7 +470,7 @@ def test_lookahead_kv_with_its_adapter(bundled, monkeypatch):
                            kv_quant="int8")
     qc = cap.quantized[0]
     assert _kept(qc) == _kept(dense)
-    ref = jax.device_get(cache_quant.from_cache(dense, kv_quant.PRESETS["int8"]))
+    ref = jax.device_get(cache_quant.from_cache(dense, kv_quant.PRESETS["int8"], cap.rooms[0]))
     for a, b in zip(jax.tree.leaves(qc), jax.tree.leaves(ref)):
         np.testing.assert_array_equal(a, b)
     pos = np.asarray(qc.pos)[np.asarray(qc.valid)]

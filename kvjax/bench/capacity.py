@@ -189,7 +189,7 @@ def row_cache(model: Model, setting: Setting, prefilled: dict[str, Any], *, buck
         cache, _ = steps.compress(cache, observations, plan, policy=policy, capacity=bucket + room, mesh=None)
     if setting.kv_quant is not None:
         setting.kv_quant.check(cfg.head_dim)
-        cache = steps.to_quantized(cache, config=setting.kv_quant)
+        cache = steps.to_quantized(cache, config=setting.kv_quant, room=room)
     return first, cache
 
 

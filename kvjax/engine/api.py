@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvjax import cache_quant_ragged
+from kvjax import cache_quant, cache_quant_ragged
 from kvjax.cache import KVCache
 from kvjax.cache_ragged import choose_layout
 from kvjax.engine import steps
@@ -175,6 +175,12 @@ def check_cache_layout(cache_layout: str) -> None:
         raise ValueError(f"cache_layout must be one of {CACHE_LAYOUTS}, got {cache_layout!r}")
 
 
+def reuses_slots(config: KVQuant) -> bool:
+    """Whether decode-time eviction over `config`'s storage writes into the slots it frees (per-token
+    scales; `kvjax.cache_quant`), so that the dense plan's capacity suffices."""
+    return cache_quant.key_group(config) == 1
+
+
 def ragged_supported(model: Model, policy: Policy | None) -> bool:
     """Whether a run decodes in the ragged layout when asked (`cache_layout="ragged"`): a policy without
     decode-time eviction, in rope_mode "original". Other runs keep the dense layout (the stacked
@@ -282,9 +288,9 @@ def _plan(cfg: ModelConfig, st: Setting, policy: Policy | None, part: _Part) -> 
         if st.prefill_chunk is not None:
             check_chunked_prefill(policy, st.prefill_chunk)
         plan = part.plan(policy, st, cfg)
-        if st.kv_quant is not None and policy.decode_time:
-            # the quantized layout appends each decode token at its head's next slot (its full-precision window
-            # and flushes need consecutive slots) rather than in the slot an eviction freed: room for every step
+        if st.kv_quant is not None and policy.decode_time and not reuses_slots(st.kv_quant):
+            # per-channel key groups need consecutive slots: each decode token goes to its head's next slot
+            # rather than the one an eviction freed, so the cache has room for every step
             plan = plan.replace(capacity=plan.capacity + part.room - part.question_tokens)
         return _Run(st, policy, plan)
     except ValueError as err:
@@ -413,7 +419,8 @@ def _answer(model: Model, batch: Batch, run: _Run, first: jax.Array, cache: KVCa
                 cache_quant_ragged.LAYOUT_NAME
         cache = steps.to_ragged(cache, layout=sizes, room=room, kv_quant=quant)
     elif quant is not None:
-        cache = steps.to_quantized(cache, config=quant)
+        cache = steps.to_quantized(cache, config=quant, room=batch.steps,  # decode writes at most steps - 1
+                                   reuse_slots=policy is not None and policy.decode_time and reuses_slots(quant))
         layout = "quantized"
     cache_bytes = cache.nbytes()
     decode_time = policy is not None and policy.decode_time
@@ -637,8 +644,10 @@ def generate(
       runs). Decode appends go to a full-precision window, flushed when full. Gemma's
       sliding-window layers keep their rolling buffers in the model dtype (only the global layers are
       quantized). Decode-time policies evict as on the dense cache (the entries held stay within the
-      budget), but appends take each head's next slot, so the cache is allocated with room for every
-      decode step. Policies in rope_mode "cache_relative" (streaming_llm) are refused.
+      budget) and, with per-token scales, write each decode token into a slot an eviction freed, so
+      the cache has the dense run's capacity; with per-channel key groups (KIVI) appends take each
+      head's next slot and the cache has room for every decode step. Policies in rope_mode
+      "cache_relative" (streaming_llm) are refused.
     """
     setting = Setting(policy, compression_ratio, budget, prefill_chunk, kv_quant)
     return generate_settings(model, prompts, [setting], questions=questions, max_new_tokens=max_new_tokens,

@@ -177,11 +177,14 @@ def to_ragged(cache: KVCache, *, layout: Layout, room: int, kv_quant: KVQuant | 
     return from_cache(cache, layout, room)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def to_quantized(cache: KVCache, *, config: KVQuant) -> cache_quant.QuantizedKVCache:
-    """The cache's entries quantized (`kvjax.cache_quant`), the same slots and positions."""
+@functools.partial(jax.jit, static_argnames=("config", "room", "reuse_slots"))
+def to_quantized(cache: KVCache, *, config: KVQuant, room: int | None = None, reuse_slots: bool = False
+                 ) -> cache_quant.QuantizedKVCache:
+    """The cache's entries quantized (`kvjax.cache_quant`), the same slots and positions; a full-precision
+    window for `room` decode appends (None: the configuration's whole `residual`); reuse_slots: decode
+    appends take the slots evictions free (decode-time eviction, per-token scales)."""
     TRACE_COUNTS["to_quantized"] += 1
-    return cache_quant.from_cache(cache, config)
+    return cache_quant.from_cache(cache, config, room, reuse_slots)
 
 
 def row_entries(cache: KVCache | RaggedCache) -> jax.Array:
