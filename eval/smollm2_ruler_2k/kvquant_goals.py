@@ -27,6 +27,14 @@ def _mib(rows: list[dict]) -> float:
     return sum(vals) / len(vals) / 2**20 if vals else float("nan")
 
 
+def _by_task(rows: list[dict]) -> dict[str, list[float]]:
+    out = defaultdict(list)
+    for r in rows:
+        if r.get("score") is not None:
+            out[r["task"]].append(100 * r["score"])
+    return out
+
+
 def main(run_dir: str, n: int) -> None:
     run = pathlib.Path(run_dir)
     cfg = json.loads((run / "run_config.json").read_text())
@@ -67,6 +75,19 @@ def main(run_dir: str, n: int) -> None:
         print(f"| {policy} | {ratio} | {storage} | {p.score:.1f} | {p.full:.1f} | "
               f"{paired.plus_minus(p.diff, p.diff_se, sign=True)} | {p.regressions} / {p.improvements} | "
               f"{_mib(group):.3f} | {met} |")
+    print("\n## Score (KV bytes relative to the full cache at 16 bits), every storage\n")
+    storages = list(dict.fromkeys(g[0]["kv_quant"] for g in groups.values() if g))
+    full_mib = _mib(groups.get(("full", "full"), []))
+    print("| policy | ratio | " + " | ".join(storages) + " |")
+    print("|---|---|" + "---:|" * len(storages))
+    for key in dict.fromkeys((p, l.split(" ")[0]) for p, l in groups):
+        cells = []
+        for st in storages:
+            label = key[1] if st == "none" else f"{key[1]} {st}"
+            g = groups.get((key[0], label), [])
+            mean, _ = paired.task_mean_se(_by_task(g))
+            cells.append("" if mean is None else f"{mean:.1f} ({_mib(g) / full_mib:.3f})")
+        print(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
     print("\n## Goals\n")
     for storage, goal in GOALS.items():
         v = verdicts.get(storage, [])
