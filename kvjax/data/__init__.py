@@ -7,7 +7,8 @@ the canonical completions (``targets``) and the prompt rendering every consumer 
 context length. This package imports nothing from kvjax.eval, kvjax.training or kvjax.engine.
 
 Suites: ``default`` (the 8 RULER needle tasks and vt: the bundled model's), ``ruler`` (all 13),
-``synthetic`` (every task generated from code alone).
+``synthetic`` (every RULER-style task generated from code alone), ``ood_train`` (families outside RULER,
+``kvjax.data.lines``: line retrieval and sentence copying, for out-of-distribution LookaheadKV adapters).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from kvjax.data.base import Options, Sample, TaskSkipped, TokenizerLike, check_length, check_num_samples
+from kvjax.data.lines import line_recall, repeat_sentence
 from kvjax.data.niah_grid import niah_grid, passkey
 from kvjax.data.qa import qa
 from kvjax.data.ruler import NIAH_TASKS, cwe, fwe, niah, vt
@@ -27,7 +29,7 @@ class Generator:
     """A task generator: ``builder(name, Options, **task_options) -> list[Sample]``."""
 
     name: str
-    family: str  # ruler | niah_grid | passkey
+    family: str  # ruler | niah_grid | passkey | lines | copy
     builder: Callable[..., list[Sample]]
     description: str
 
@@ -45,6 +47,11 @@ def _generators() -> dict[str, Generator]:
     reg["niah_grid"] = Generator("niah_grid", "niah_grid", niah_grid,
                                  "needle-in-a-haystack over lengths x depths (heatmap)")
     reg["passkey"] = Generator("passkey", "passkey", passkey, "5-digit pass key in noise")
+    reg["line_recall"] = Generator("line_recall", "lines", line_recall,
+                                   "quote a numbered line of prose by its number (LongEval-style; not RULER)")
+    for which in ("first", "last"):
+        reg[f"repeat_{which}"] = Generator(f"repeat_{which}", "copy", repeat_sentence,
+                                           f"repeat the {which} sentence of a prose paragraph (not RULER)")
     return reg
 
 
@@ -54,6 +61,7 @@ SUITES: dict[str, list[str]] = {
     "default": [*NIAH_TASKS, "vt"],
     "ruler": RULER_TASKS,
     "synthetic": [*NIAH_TASKS, "vt", "cwe", "fwe", "niah_grid", "passkey"],
+    "ood_train": ["line_recall", "repeat_first", "repeat_last"],
 }
 
 

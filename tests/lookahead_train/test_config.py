@@ -10,7 +10,8 @@ from train_lookahead.config import RunConfig
 CONFIGS = pathlib.Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.mark.parametrize("name", ["lookahead_bundled.yaml", "lookahead_smollm2.yaml", "lookahead_smoke.yaml",
+@pytest.mark.parametrize("name", ["lookahead_bundled.yaml", "lookahead_smollm2.yaml", "lookahead_smollm2_ood.yaml",
+                                  "lookahead_smoke.yaml",
                                   "lookahead_llama31_8b_v5e.yaml"])
 def test_shipped_configs_parse_and_round_trip(name):
     cfg = RunConfig.from_yaml(CONFIGS / name)
