@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from kvjax.lookahead import LookaheadConfig
+from kvjax.lookahead import LOSSES, LookaheadConfig
 from kvjax.training import OptimConfig
 
 SOURCE_KINDS = ("synthetic", "jsonl", "parquet", "hf")
@@ -127,8 +127,13 @@ class TrainSection:
     checkpoint_every: int = 50
     log_every: int = 10
     remat: bool = False  # rematerialise the lookahead pass's layers in the backward pass (long prompts)
+    loss: str = "kl"  # "kl" (policies.md §11.4) or "topk": -log of the predicted mass on the target's top slots
+    topk_fraction: float = 0.25  # the top slots' share of the prompt for loss "topk"
 
     def __post_init__(self):
+        _choice("train.loss", self.loss, LOSSES)
+        if not 0.0 < self.topk_fraction <= 1.0:
+            raise ValueError(f"train.topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
         if self.steps is not None:
             _positive("train.steps", self.steps)
         _positive("train.batch_size", self.batch_size)

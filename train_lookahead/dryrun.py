@@ -66,7 +66,7 @@ def lower_train_step(run: RunConfig, cfg: ModelConfig, mesh: Mesh, steps: int = 
     state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated),
                          jax.eval_shape(lambda t: init_state(t, tx), trainable))
     batch = abstract_batch(run, cfg, mesh)
-    step = build_step(lookahead_loss(cfg, la, run.train.remat), tx, mesh, param_shardings(cfg, mesh), tuple(batch),
+    step = build_step(lookahead_loss(cfg, la, run.train.remat, run.train.loss, run.train.topk_fraction), tx, mesh, param_shardings(cfg, mesh), tuple(batch),
                       ROW_AXES)
     with jax.set_mesh(mesh):
         return step.trace(state, frozen, batch).lower()

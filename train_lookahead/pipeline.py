@@ -89,7 +89,8 @@ def run(cfg: RunConfig, workdir: str | os.PathLike, *, command: str = "", progre
                          max_response_tokens=cfg.targets.max_response_tokens, process_index=jax.process_index(),
                          process_count=jax.process_count())
     adapter = init_adapter(model, cfg.lookahead, jax.random.PRNGKey(cfg.train.seed))
-    trained, done = train(lookahead_loss(model.config, cfg.lookahead, cfg.train.remat), adapter.params, model.params,
+    loss = lookahead_loss(model.config, cfg.lookahead, cfg.train.remat, cfg.train.loss, cfg.train.topk_fraction)
+    trained, done = train(loss, adapter.params, model.params,
                           data, steps=steps, optim=cfg.optim, workdir=workdir, mesh=mesh,
                           frozen_shardings=param_shardings(model.config, mesh), row_axes=ROW_AXES,
                           checkpoint_every=cfg.train.checkpoint_every, log_every=cfg.train.log_every,

@@ -3,7 +3,7 @@
 - `LookaheadConfig`; `Adapter` (params pytree + config + model dimensions); `init_adapter`,
   `save`, `load` (safetensors + JSON; "bundled" is the bundled model's adapter).
 - `prompt_cache` (the frozen prompt prefill), `predicted_attention` (s̃), `response_attention` (s_GT),
-  `kl_loss`, `loss_fn`: the training math (train_lookahead is the pipeline around it).
+  `kl_loss`, `topk_loss`, `objective`, `loss_fn`: the training math (train_lookahead is the pipeline around it).
 
 The model knows nothing of these modules beyond the row-masked adapter hook of `extend`.
 """
@@ -19,10 +19,11 @@ from kvjax.lookahead.attention import (
     response_attention,
 )
 from kvjax.lookahead.config import PROJECTIONS, LookaheadConfig
-from kvjax.lookahead.loss import kl_loss, loss_fn
+from kvjax.lookahead.loss import LOSSES, kl_loss, loss_fn, objective, topk_loss
 
 __all__ = [
     "BUNDLED",
+    "LOSSES",
     "PROJECTIONS",
     "Adapter",
     "LookaheadConfig",
@@ -35,8 +36,10 @@ __all__ = [
     "lookahead_mass",
     "lookahead_observations",
     "loss_fn",
+    "objective",
     "predicted_attention",
     "prompt_cache",
     "response_attention",
     "save",
+    "topk_loss",
 ]

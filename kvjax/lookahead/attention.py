@@ -26,11 +26,12 @@ RESPONSE_CHUNK = 128  # response tokens fed per step in `response_attention`
 
 def check_positions(cfg: ModelConfig, prompt_tokens: int, config: LookaheadConfig) -> None:
     """ValueError when the lookahead tokens after a prompt of `prompt_tokens` tokens pass the model's positions."""
-    need = int(prompt_tokens) + config.n_tokens
+    need = int(prompt_tokens) + config.offsets[-1] + 1
     if need > cfg.max_position_embeddings:
+        spread = "" if config.span is None else f" spread over span={config.span}"
         raise ValueError(
-            f"a prompt of {int(prompt_tokens)} tokens plus n_tokens={config.n_tokens} lookahead tokens needs {need} "
-            f"positions, more than the model allows (max_position_embeddings={cfg.max_position_embeddings})")
+            f"a prompt of {int(prompt_tokens)} tokens plus n_tokens={config.n_tokens} lookahead tokens{spread} needs "
+            f"{need} positions, more than the model allows (max_position_embeddings={cfg.max_position_embeddings})")
 
 
 def prompt_cache(model_params: dict[str, Any], model_cfg: ModelConfig, tokens: jax.Array,
@@ -54,7 +55,7 @@ def adapter_hook(adapter_params: dict[str, Any], config: LookaheadConfig, mask: 
 def lookahead_mass(model_params: dict[str, Any], model_cfg: ModelConfig, adapter_params: dict[str, Any],
                    config: LookaheadConfig, cache: KVCache, lengths: jax.Array, *, remat: bool = False,
                    differentiable: bool = False) -> jax.Array:
-    """Runs the n learned tokens (LoRA on their rows) at positions lengths .. lengths+n-1 against
+    """Runs the n learned tokens (LoRA on their rows) at positions lengths + config.offsets against
     `cache` without storing them; returns their attention mass per query head over the cache slots,
     summed over the n tokens: [L,B,Hq,C] float32 (the softmax includes the tokens' own causal keys).
     remat: rematerialise each layer in the backward pass (long prompts in training).
@@ -73,7 +74,7 @@ def lookahead_observations(model_params: dict[str, Any], model_cfg: ModelConfig,
     n = config.n_tokens
     if not isinstance(lengths, jax.core.Tracer):
         check_positions(model_cfg, int(jnp.max(lengths)), config)
-    positions = (lengths[:, None] + jnp.arange(n)[None]).astype(jnp.int32)
+    positions = (lengths[:, None] + jnp.asarray(config.offsets, jnp.int32)[None]).astype(jnp.int32)
     embeds = jnp.broadcast_to(adapter_params["embeddings"][None], (B, n, model_cfg.hidden_size))
     hook = adapter_hook(adapter_params, config, jnp.ones((B, n), bool))
     _, _, obs = extend(model_params, model_cfg, cache, None, positions, fresh=False, commit=False,

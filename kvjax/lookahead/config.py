@@ -21,7 +21,10 @@ def _int(name: str, value: Any, minimum: int) -> None:
 class LookaheadConfig:
     """Static description of the learned lookahead tokens and their row-masked LoRA.
 
-    n_tokens: learned embeddings appended after the prompt, at positions T .. T+n-1.
+    n_tokens: learned embeddings appended after a prompt of T tokens.
+    span: where they sit. None: right after the prompt, at positions T .. T+n-1; an int S >= n_tokens:
+      spread evenly over the S positions an answer would take, token i at T + floor(i * S / n_tokens)
+      (their attention then sees the prompt from the distances the answer's tokens will).
     rank, alpha: LoRA rank and alpha (the delta is scaled by alpha / rank).
     projections: the linear layers of every decoder layer that carry a LoRA, a subset of
       ("q", "k", "v", "o", "gate", "up", "down").
@@ -31,6 +34,7 @@ class LookaheadConfig:
     """
 
     n_tokens: int = 32
+    span: int | None = None
     rank: int = 8
     alpha: float = 32.0
     projections: tuple[str, ...] = PROJECTIONS
@@ -41,6 +45,8 @@ class LookaheadConfig:
 
     def __post_init__(self) -> None:
         _int("n_tokens", self.n_tokens, 1)
+        if self.span is not None:
+            _int("span", self.span, self.n_tokens)
         _int("rank", self.rank, 1)
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not self.alpha > 0:
             raise ValueError(f"LookaheadConfig.alpha must be a positive float, got {self.alpha!r}")
@@ -61,6 +67,13 @@ class LookaheadConfig:
         if self.kernel % 2 == 0:
             raise ValueError(f"LookaheadConfig.kernel must be odd (same-padding pooling), got {self.kernel}")
         _int("protect_last", self.protect_last, 0)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """The lookahead tokens' positions after the prompt: token i sits at T + offsets[i]."""
+        if self.span is None:
+            return tuple(range(self.n_tokens))
+        return tuple(i * self.span // self.n_tokens for i in range(self.n_tokens))
 
     @property
     def scale(self) -> float:

@@ -28,8 +28,8 @@ def rope(x, pos, theta):
     return x * cos + rot * sin
 
 
-def forward(P, cfg, embeds, lora_rows=None, lora=None, scale=0.0):
-    """embeds [S,E] at positions 0..S-1, causal. lora: {proj: {"a": [L,in,r], "b": [L,r,out]}} applied
+def forward(P, cfg, embeds, lora_rows=None, lora=None, scale=0.0, pos=None):
+    """embeds [S,E] at positions `pos` [S] (increasing; None: 0..S-1), causal. lora: {proj: {"a": [L,in,r], "b": [L,r,out]}} applied
     (times `scale`) on the rows where lora_rows [S] is True. Returns logits [S,V], probs per layer
     [L,Hq,S,S], keys and values per layer [L,Hkv,S,D] (keys post-RoPE)."""
     S = embeds.shape[0]
@@ -37,7 +37,7 @@ def forward(P, cfg, embeds, lora_rows=None, lora=None, scale=0.0):
     G = Hq // Hkv
     lay = P["layers"]
     rows = np.zeros(S, bool) if lora_rows is None else np.asarray(lora_rows, bool)
-    pos = np.arange(S, dtype=np.float64)
+    pos = np.arange(S, dtype=np.float64) if pos is None else np.asarray(pos, np.float64)
     h = np.asarray(embeds, np.float64)
     all_probs, all_k, all_v = [], [], []
     for l in range(cfg.num_layers):
@@ -74,11 +74,14 @@ def forward(P, cfg, embeds, lora_rows=None, lora=None, scale=0.0):
 
 def predicted(P, cfg, prompt, A, config):
     """s̃ [L,Hq,T] of one row: [X; P] in one pass, LoRA on the P rows, the P rows' attention on X
-    averaged over the n lookahead queries (the softmax includes the causal lookahead keys)."""
+    averaged over the n lookahead queries (the softmax includes the causal lookahead keys). P sits at
+    T .. T+n-1, or with config.span = S at T + floor(i * S / n) for token i."""
     T, n = len(prompt), config.n_tokens
     embeds = np.concatenate([P["embed"][np.asarray(prompt)], A["embeddings"]], 0)
     rows = np.arange(T + n) >= T
-    _, probs, _, _ = forward(P, cfg, embeds, rows, A["lora"], config.alpha / config.rank)
+    after = np.arange(n) if config.span is None else np.floor(np.arange(n) * config.span / n)
+    pos = np.concatenate([np.arange(T), T + after])
+    _, probs, _, _ = forward(P, cfg, embeds, rows, A["lora"], config.alpha / config.rank, pos=pos)
     return probs[:, :, T:, :T].mean(axis=2)
 
 
@@ -109,6 +112,16 @@ def scores(s_tilde, cfg, config, T):
     if config.pooling is None:
         return np.where(np.arange(T) < region, red, 0.0)
     return pool_max(red, region, config.kernel)
+
+
+def topk(target, pred, fraction):
+    """-log of pred's mass (normalised over T) on target's top ceil(fraction*T) entries (ties with the k-th
+    included), per [..., T]; mass clamped at 1e-10."""
+    T = target.shape[-1]
+    k = max(1, int(np.ceil(fraction * T)))
+    kth = np.sort(target, -1)[..., T - k][..., None]
+    p = pred / pred.sum(-1, keepdims=True)
+    return -np.log(np.maximum(np.where(target >= kth, p, 0.0).sum(-1), 1e-10))
 
 
 def kl(target, pred):

@@ -20,6 +20,9 @@ def test_config_defaults_and_from_dict():
     assert lk.LookaheadConfig.from_dict(d) == lk.LookaheadConfig(n_tokens=8, projections=("q", "v"), pooling=None,
                                                                  gqa_reduce="max")
     assert lk.LookaheadConfig.from_dict(c.to_dict()) == c
+    assert c.span is None and c.offsets == tuple(range(32))
+    spread = lk.LookaheadConfig(n_tokens=4, span=10)
+    assert spread.offsets == (0, 2, 5, 7) and lk.LookaheadConfig.from_dict(spread.to_dict()) == spread
     with pytest.raises(ValueError, match=r"unknown key\(s\) \['lora_rank', 'size'\]"):
         lk.LookaheadConfig.from_dict({"size": 3, "lora_rank": 4})
 
@@ -33,6 +36,7 @@ def test_config_defaults_and_from_dict():
     ("rank", 0, "rank must be an int >= 1"),
     ("alpha", -1.0, "alpha must be a positive float"),
     ("protect_last", -2, "protect_last must be an int >= 0"),
+    ("span", 16, "span must be an int >= 32"),
 ])
 def test_config_bad_values_name_the_field(field, value, match):
     with pytest.raises(ValueError, match=match):

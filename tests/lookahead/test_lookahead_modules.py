@@ -38,6 +38,28 @@ def test_predicted_attention_matches_numpy_forward_with_lora(tiny, adapter):
         assert (want.sum(-1) < 1 - 1e-3).all()
 
 
+@pytest.mark.parametrize("span", [4, 11])
+def test_spread_lookahead_positions_match_numpy_forward(tiny, adapter, span):
+    """span S: token i of n at T + floor(i * S / n); S = n is the contiguous default exactly, and a wider
+    span moves the tokens (RoPE distances), which changes what they attend to."""
+    rows, toks, pos = _batch(tiny)
+    cache = lk.prompt_cache(tiny.params, tiny.config, toks, pos)
+    conf = dataclasses.replace(adapter.config, span=span)
+    assert conf.offsets == tuple(i * span // conf.n_tokens for i in range(conf.n_tokens))
+    got = np.asarray(lk.predicted_attention(tiny.params, tiny.config, adapter.params, conf, cache,
+                                            jnp.asarray(LENGTHS)))
+    P, A = ref.to_numpy(tiny.params), ref.to_numpy(adapter.params)
+    for b, t in enumerate(LENGTHS):
+        np.testing.assert_allclose(got[:, b, :, :t], ref.predicted(P, tiny.config, rows[b], A, conf),
+                                   atol=2e-6, rtol=1e-4)
+    base = np.asarray(lk.predicted_attention(tiny.params, tiny.config, adapter.params, adapter.config, cache,
+                                             jnp.asarray(LENGTHS)))
+    if span == conf.n_tokens:
+        np.testing.assert_array_equal(got, base)
+    else:
+        assert np.abs(got - base).max() > 1e-4
+
+
 def test_response_attention_matches_full_attention(tiny):
     rows, toks, pos = _batch(tiny, seed=1)
     rng = np.random.RandomState(2)
@@ -94,6 +116,39 @@ def test_kl_loss_and_loss_fn_match_numpy(tiny, adapter):
     # padding slots of either input never count
     noisy = np.where((pos >= 0)[None, :, None, :], target, 1e3)
     np.testing.assert_allclose(float(lk.kl_loss(jnp.asarray(noisy), jnp.asarray(target), mask)), 0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("fraction", [0.25, 0.5, 1.0])
+def test_topk_loss_and_loss_fn_match_numpy(tiny, adapter, fraction):
+    """The ranking objective: -log of the predicted mass on the target's top ceil(fraction * T) prompt slots."""
+    rows, toks, pos = _batch(tiny)
+    target = _target(tiny)
+    target[0, 1, 2, :4] = 2.0  # a tie at the top
+    batch = {"tokens": toks, "positions": pos, "target": jnp.asarray(target)}
+    fn = lk.objective("topk", fraction)
+    loss = float(lk.loss_fn(adapter.params, tiny.params, tiny.config, adapter.config, batch, objective=fn))
+    P, A = ref.to_numpy(tiny.params), ref.to_numpy(adapter.params)
+    per_row = []
+    for b, t in enumerate(LENGTHS):
+        pred = ref.predicted(P, tiny.config, rows[b], A, adapter.config)
+        per_row.append(ref.topk(target[:, b, :, :t].astype(np.float64), pred, fraction).mean())
+    np.testing.assert_allclose(loss, np.mean(per_row), rtol=1e-4, atol=1e-6)
+    if fraction == 1.0:
+        assert abs(loss) < 1e-6  # every slot is in the top set: all the mass is on it
+    else:
+        assert loss > 0.05
+    mask = jnp.asarray(pos >= 0)
+    # a prediction that puts its mass on the target's top slots only costs nothing; padding never counts
+    onehot = np.where(target >= np.sort(np.where((pos >= 0)[None, :, None, :], target, -np.inf), -1)[..., -1:],
+                      1.0, 0.0)
+    np.testing.assert_allclose(float(lk.topk_loss(jnp.asarray(target), jnp.asarray(onehot), mask, 0.01)), 0.0,
+                               atol=1e-6)
+    g = jax.grad(lambda p: lk.topk_loss(jnp.asarray(target), p, mask, fraction))(jnp.asarray(target))
+    assert np.isfinite(np.asarray(g)).all()
+    with pytest.raises(ValueError, match=r"loss must be one of \('kl', 'topk'\)"):
+        lk.objective("rank")
+    with pytest.raises(ValueError, match=r"topk_fraction must be in \(0, 1\]"):
+        lk.objective("topk", 0.0)
 
 
 def test_kl_loss_clamps_and_stays_finite():
@@ -233,3 +288,9 @@ def test_positions_must_fit(tiny, adapter):
     with pytest.raises(ValueError, match="n_tokens=4 lookahead tokens"):
         lk.predicted_attention(tiny.params, small, adapter.params, adapter.config, cache,
                                jnp.asarray([WIDTH, 3, 3]))
+    # spread over a span, the last token sits at T + floor((n-1) * S / n)
+    spread = dataclasses.replace(adapter.config, span=8)  # offsets 0, 2, 4, 6: T + 7 positions
+    fits = dataclasses.replace(tiny.config, max_position_embeddings=WIDTH + 7)
+    lk.check_positions(fits, WIDTH, spread)
+    with pytest.raises(ValueError, match="spread over span=8 needs 19 positions"):
+        lk.check_positions(dataclasses.replace(fits, max_position_embeddings=WIDTH + 6), WIDTH, spread)

@@ -44,6 +44,9 @@ def test_unknown_keys_are_named(d, names):
     ({"data": {"long_prompts": "truncate"}}, ["data.long_prompts", "'skip'"]),
     ({"data": {"sources": [{"kind": "jsonl"}]}}, ["data.sources[0].path"]),
     ({"optim": {"warmup_fraction": 1.5}}, ["optim.warmup_fraction"]),
+    ({"train": {"loss": "ranking"}}, ["train.loss", "'kl'", "'topk'"]),
+    ({"train": {"loss": "topk", "topk_fraction": 1.5}}, ["train.topk_fraction", "(0, 1]"]),
+    ({"lookahead": {"n_tokens": 8, "span": 4}}, ["span", ">= 8"]),
 ])
 def test_bad_values_name_the_field(d, words):
     with pytest.raises(ValueError) as e:
@@ -58,3 +61,24 @@ def test_yaml_exponent_floats_and_missing_file(tmp_path):
     assert RunConfig.from_yaml(path).optim.learning_rate == pytest.approx(2e-4)
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         RunConfig.from_yaml(tmp_path / "nope.yaml")
+
+
+def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
+    """eval/lookahead_ablations: each variant parses, and differs from the base only where it says."""
+    import importlib.util
+
+    path = CONFIGS.parent / "eval" / "lookahead_ablations" / "ablations.py"
+    spec = importlib.util.spec_from_file_location("ablations", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    base = RunConfig.from_dict(ab.variant_config("base"))
+    assert base == RunConfig.from_yaml(CONFIGS / "lookahead_smollm2_ood.yaml")
+    for name, (_, over, eval_only) in ab.VARIANTS.items():
+        cfg = RunConfig.from_dict(ab.variant_config(name))
+        changed = {s for s in ("model", "lookahead", "data", "targets", "train", "optim")
+                   if getattr(cfg, s) != getattr(base, s)}
+        assert changed == set(over), name
+        if eval_only:  # only inference-time fields: the base's trained adapter serves
+            assert set(over) == {"lookahead"} and set(over["lookahead"]) <= {"gqa_reduce", "pooling", "kernel"}
+    assert RunConfig.from_dict(ab.variant_config("prompts_32")).data.sources[0].num_samples == 32
+    assert RunConfig.from_dict(ab.variant_config("spread_128")).lookahead.offsets[-1] == 124

@@ -1,0 +1,189 @@
+"""The LookaheadKV recipe ablations on SmolLM2-135M-Instruct (issue 27), out of distribution.
+
+Every variant changes one thing of `configs/lookahead_smollm2_ood.yaml` (the base: 32 tokens right after
+the prompt, rank-8 LoRA on every projection, KL loss, 150 steps on 128 `ood_train` prompts, mean GQA
+reduction, max pooling). A variant that keeps the base's model, data and targets sections shares the
+base's targets (the frozen model's answers and their attention: the costly part); an eval-only variant
+(GQA reduction, pooling: neither enters the loss) reuses the base's trained adapter with its config
+changed. Each is then scored on RULER 2K question-agnostic at r = 0.5 and 0.75 (lookahead_kv only; the
+full-cache rows are copied from the recorded agnostic run, same samples).
+
+    python eval/lookahead_ablations/ablations.py run [--only NAME ...] [--runs DIR]   # resumes when re-run
+    python eval/lookahead_ablations/ablations.py table > eval/lookahead_ablations/TABLE.md
+
+`run` writes each variant's config to `configs/` here, trains it under `--runs` (default runs/lookahead_ablations),
+copies its export (adapter, card, log) to `adapters/NAME/` and its eval to `results/NAME/`; `table` reads those.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import pathlib
+import shutil
+import subprocess
+import sys
+import time
+
+import yaml
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+BASE = ROOT / "configs" / "lookahead_smollm2_ood.yaml"
+FULL_ROWS = ROOT / "eval" / "smollm2_ruler_2k" / "agnostic" / "results.jsonl"
+EVAL = ["--config", "configs/eval_smollm2_ruler_2k.yaml", "--policies", "lookahead_kv", "--compression-ratios",
+        "0.5", "0.75", "--num-samples", "4", "--batch-size", "4", "--no-progress"]
+SHARED = ("model", "data", "targets")  # sections that make the targets
+
+# name: (what changes, overrides of the base config as {section: {key: value}}, eval_only)
+VARIANTS: dict[str, tuple[str, dict, bool]] = {
+    "base": ("the base recipe", {}, False),
+    "tokens_8": ("8 lookahead tokens", {"lookahead": {"n_tokens": 8}}, False),
+    "tokens_16": ("16 lookahead tokens", {"lookahead": {"n_tokens": 16}}, False),
+    "spread_128": ("tokens spread over the 128-token answer span", {"lookahead": {"span": 128}}, False),
+    "rank_4": ("LoRA rank 4 (alpha 16)", {"lookahead": {"rank": 4, "alpha": 16.0}}, False),
+    "rank_16": ("LoRA rank 16 (alpha 64)", {"lookahead": {"rank": 16, "alpha": 64.0}}, False),
+    "attn_lora": ("LoRA on q, k, v, o only", {"lookahead": {"projections": ["q", "k", "v", "o"]}}, False),
+    "steps_50": ("50 steps", {"train": {"steps": 50}}, False),
+    "prompts_32": ("32 prompts (150 steps)", {"data": {"sources": [{"num_samples": 32}]}}, False),
+    "loss_topk": ("ranking loss on the top 25%", {"train": {"loss": "topk", "topk_fraction": 0.25}}, False),
+    "gqa_max": ("max over a KV head's query heads", {"lookahead": {"gqa_reduce": "max"}}, True),
+    "no_pooling": ("no max pooling", {"lookahead": {"pooling": None}}, True),
+}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        elif isinstance(v, list) and isinstance(out.get(k), list) and v and isinstance(v[0], dict):
+            out[k] = [_merge(a, b) for a, b in zip(out[k], v)]
+        else:
+            out[k] = v
+    return out
+
+
+def variant_config(name: str) -> dict:
+    """The run config (a YAML mapping) of variant `name`."""
+    _, over, _ = VARIANTS[name]
+    return _merge(yaml.safe_load(BASE.read_text()), over)
+
+
+def _sh(cmd: list[str], log: pathlib.Path) -> float:
+    start = time.time()
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    if rc:
+        raise SystemExit(f"{' '.join(cmd)} failed ({rc}); see {log}")
+    return time.time() - start
+
+
+def run(names: list[str], runs: pathlib.Path) -> None:
+    base_cfg = variant_config("base")
+    for name in names:
+        desc, over, eval_only = VARIANTS[name]
+        cfg = variant_config(name)
+        (HERE / "configs").mkdir(exist_ok=True)
+        cfg_path = HERE / "configs" / f"{name}.yaml"
+        cfg_path.write_text(f"# {name}: {desc} (eval/lookahead_ablations/ablations.py)\n" + yaml.safe_dump(cfg))
+        work = runs / ("base" if eval_only else name)
+        adapter = HERE / "adapters" / name
+        times = json.loads((adapter / "times.json").read_text()) if (adapter / "times.json").exists() else {}
+        log = runs / f"{name}.log"
+        runs.mkdir(parents=True, exist_ok=True)
+        if not (adapter / "adapter.safetensors").exists():
+            if eval_only:
+                run(["base"], runs)
+                shutil.copytree(HERE / "adapters" / "base", adapter, dirs_exist_ok=True)
+                conf = json.loads((adapter / "adapter_config.json").read_text())
+                conf["config"].update(over["lookahead"])
+                (adapter / "adapter_config.json").write_text(json.dumps(conf, indent=2) + "\n")
+                times = {}
+            else:
+                if name != "base" and all(cfg[s] == base_cfg[s] for s in SHARED):
+                    (work).mkdir(parents=True, exist_ok=True)
+                    link = work / "targets"
+                    if not link.exists():
+                        link.symlink_to((runs / "base" / "targets").resolve(), target_is_directory=True)
+                        if not (runs / "base" / "targets" / "manifest.json").exists():
+                            raise SystemExit(f"{name} shares the base's targets: run the base first")
+                    times["targets"] = "shared with base"
+                times["train_seconds"] = round(_sh([sys.executable, "-m", "train_lookahead", "--config",
+                                                    str(cfg_path), "--workdir", str(work), "--no-progress"], log))
+                shutil.copytree(work / "export", adapter, dirs_exist_ok=True)
+        out = HERE / "results" / name
+        if not (out / "metrics.json").exists():
+            out.mkdir(parents=True, exist_ok=True)
+            if not (out / "results.jsonl").exists():  # the full cache's rows of the same samples
+                rows = [l for l in FULL_ROWS.read_text().splitlines() if json.loads(l)["policy"] == "full"]
+                (out / "results.jsonl").write_text("\n".join(rows) + "\n")
+            times["eval_seconds"] = round(_sh([sys.executable, "-m", "kvjax.eval", *EVAL, "--lookahead",
+                                               str(adapter), "--out", str(out)], log))
+        (adapter / "times.json").write_text(json.dumps(times, indent=1) + "\n")
+
+
+def _scores(name: str) -> dict[str, dict[str, float]]:
+    """{setting: {sample_id: score}} of lookahead_kv and the full cache in results/NAME."""
+    out: dict[str, dict[str, float]] = {}
+    path = HERE / "results" / name / "results.jsonl"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        r = json.loads(line)
+        if r["policy"] in ("lookahead_kv", "full"):
+            out.setdefault(r["setting"], {})[r["sample_id"]] = r["score"]
+    return out
+
+
+def table() -> str:
+    lines = ["# LookaheadKV recipe ablations, SmolLM2-135M-Instruct, out of distribution (issue 27)", "",
+             "Trained on `ood_train` (kvjax.data.lines) only; scored on RULER 2K question-agnostic, the 11 offline "
+             "tasks x 4 samples, lookahead_kv at r = 0.5 / 0.75; diff = the variant minus the base on the same "
+             "samples. Train = wall seconds of `python -m train_lookahead` on the 2-core CPU (targets shared with "
+             "the base unless said); eval-only variants reuse the base's adapter.", "",
+             "| variant | what changes | train s | r=0.5 | r=0.75 | diff r=0.5 | diff r=0.75 | samples |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    base = _scores("base")
+    for name, (desc, _, eval_only) in VARIANTS.items():
+        s = _scores(name)
+        times_path = HERE / "adapters" / name / "times.json"
+        times = json.loads(times_path.read_text()) if times_path.exists() else {}
+        train = "eval only" if eval_only else str(times.get("train_seconds", ""))
+        cells, diffs, counts = [], [], []
+        for setting in ("r=0.5", "r=0.75"):
+            got = s.get(setting, {})
+            if not got:
+                cells.append("not run"), diffs.append(""), counts.append("0")
+                continue
+            cells.append(f"{100 * sum(got.values()) / len(got):.1f}")
+            counts.append(str(len(got)))
+            paired = [k for k in got if k in base.get(setting, {})]
+            d = [got[k] - base[setting][k] for k in paired]
+            diffs.append(f"{100 * sum(d) / len(d):+.1f}" if d and name != "base" else "")
+        lines.append(f"| {name} | {desc} | {train} | {cells[0]} | {cells[1]} | {diffs[0]} | {diffs[1]} | "
+                     f"{'/'.join(counts)} |")
+    full = _scores("base").get("full", {})
+    if full:
+        lines += ["", f"Full cache on the same samples: {100 * sum(full.values()) / len(full):.1f} ({len(full)})."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="train and score the variants (resumes)")
+    r.add_argument("--only", nargs="+", choices=list(VARIANTS), help="these variants (default: all, in order)")
+    r.add_argument("--runs", default="runs/lookahead_ablations", help="training workdirs")
+    sub.add_parser("table", help="print the Markdown table of what has run")
+    args = p.parse_args(argv)
+    if args.cmd == "run":
+        run(args.only or list(VARIANTS), pathlib.Path(args.runs).resolve())
+    else:
+        sys.stdout.write(table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
