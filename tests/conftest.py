@@ -5,6 +5,11 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # in-process `python -m kvjax.eval` runs must not turn on (and write) the user's persistent compilation cache
 os.environ.setdefault("KVJAX_COMPILATION_CACHE", "off")
+# The suite compiles thousands of small XLA programs and runs each a few times: LLVM's optimisation
+# passes are most of a compile and buy nothing at test sizes (about a third less CPU; no numerics flag:
+# fast math stays off). Subprocesses (CLI tests, notebooks) inherit it. Set XLA_FLAGS to opt out.
+_FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ.setdefault("XLA_FLAGS", _FAST_COMPILE)
 
 import jax  # noqa: E402
 

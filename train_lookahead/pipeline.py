@@ -52,11 +52,17 @@ def load_frozen(section: ModelSection, mesh: Mesh) -> kvjax.Model:
 
 
 def _check_workdir_config(workdir: pathlib.Path, cfg: RunConfig) -> None:
-    """A workdir belongs to one config (export settings aside): resuming under another is an error."""
+    """A workdir belongs to one config (export settings aside): resuming under another is an error.
+    A field added to the config since the workdir was started counts as its default there."""
     path = workdir / "config.json"
     now = {k: v for k, v in cfg.to_dict().items() if k != "export"}
     if path.exists():
-        old = {k: v for k, v in json.loads(path.read_text()).items() if k != "export"}
+        old = json.loads(path.read_text())
+        try:
+            old = RunConfig.from_dict(old).to_dict()
+        except (TypeError, ValueError):
+            pass  # a config this version cannot read: compared as it is, so the difference is named
+        old = {k: v for k, v in old.items() if k != "export"}
         diff = sorted(k for k in set(old) | set(now) if old.get(k) != json.loads(json.dumps(now)).get(k))
         if diff:
             raise ValueError(f"{workdir} was started with another config (sections {', '.join(diff)} differ); "

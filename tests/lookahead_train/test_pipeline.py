@@ -36,6 +36,14 @@ def test_workdir_refuses_another_config(tmp_path):
     other = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, learning_rate=1e-3))
     with pytest.raises(ValueError, match="optim"):
         pipeline._check_workdir_config(tmp_path, other)
+    # a workdir started before a field existed resumes under its default, and not under another value
+    old = json.loads((tmp_path / "config.json").read_text())
+    del old["lookahead"]["span"], old["train"]["loss"]
+    (tmp_path / "config.json").write_text(json.dumps(old))
+    pipeline._check_workdir_config(tmp_path, cfg)
+    with pytest.raises(ValueError, match="train"):
+        pipeline._check_workdir_config(tmp_path, dataclasses.replace(cfg, train=dataclasses.replace(
+            cfg.train, loss="topk")))
 
 
 RECORDED = pathlib.Path(__file__).resolve().parents[2] / "eval" / "lookahead_smollm2" / "export"
