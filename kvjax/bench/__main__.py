@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m kvjax.bench", description=_package.__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(subcommands()) + "}")
     for name, module in subcommands().items():
-        p = sub.add_parser(name, help=getattr(module, "HELP", None), description=getattr(module, "HELP", None))
+        text = getattr(module, "HELP", None)
+        p = sub.add_parser(name, help=text and text.replace("%", "%%"), description=text)
         module.add_arguments(p)
         p.set_defaults(_run=module.run)
     args = parser.parse_args(argv)

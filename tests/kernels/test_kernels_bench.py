@@ -14,6 +14,15 @@ def test_subcommands_are_discovered():
     assert all(not name.startswith("_") for name in found)
 
 
+@pytest.mark.parametrize("argv", [["--help"]] + [[name, "--help"] for name in bench_main.subcommands()])
+def test_every_help_prints(argv, capsys):
+    """`python -m kvjax.bench [SUB] --help` prints its usage (a '%' in a help text once crashed it)."""
+    with pytest.raises(SystemExit) as e:
+        bench_main.main(argv)
+    assert e.value.code == 0
+    assert "usage: python -m kvjax.bench" in capsys.readouterr().out
+
+
 def test_kernels_table(tmp_path, capsys, monkeypatch):
     # A smaller preset than "tiny" keeps the interpreter quick; the code path is the real one.
     monkeypatch.setitem(bench_kernels.SIZES, "tiny",
