@@ -11,8 +11,9 @@ full-cache rows are copied from the recorded agnostic run, same samples).
     python eval/lookahead_ablations/ablations.py run [--only NAME ...] [--runs DIR]   # resumes when re-run
     python eval/lookahead_ablations/ablations.py table > eval/lookahead_ablations/TABLE.md
 
-`run` writes each variant's config to `configs/` here, trains it under `--runs` (default runs/lookahead_ablations),
-copies its export (adapter, card, log) to `adapters/NAME/` and its eval to `results/NAME/`; `table` reads those.
+`run` writes each variant's config to `configs/` here, trains it under `--runs` (default runs/lookahead_ablations;
+the adapter weights stay there), copies its card, config, log and times to `adapters/NAME/` and writes its eval
+to `results/NAME/`; `table` reads those.
 """
 
 from __future__ import annotations
@@ -82,39 +83,45 @@ def _sh(cmd: list[str], log: pathlib.Path) -> float:
     return time.time() - start
 
 
+CARD_FILES = ("README.md", "adapter_config.json", "train_config.json", "log.jsonl", "loss_curve.png")
+
+
 def run(names: list[str], runs: pathlib.Path) -> None:
     base_cfg = variant_config("base")
+    runs.mkdir(parents=True, exist_ok=True)
     for name in names:
         desc, over, eval_only = VARIANTS[name]
         cfg = variant_config(name)
         (HERE / "configs").mkdir(exist_ok=True)
         cfg_path = HERE / "configs" / f"{name}.yaml"
         cfg_path.write_text(f"# {name}: {desc} (eval/lookahead_ablations/ablations.py)\n" + yaml.safe_dump(cfg))
-        work = runs / ("base" if eval_only else name)
-        adapter = HERE / "adapters" / name
-        times = json.loads((adapter / "times.json").read_text()) if (adapter / "times.json").exists() else {}
+        work = runs / name
+        export = work / "export"  # the adapter the eval reads (weights stay out of the repository)
+        card = HERE / "adapters" / name  # its card, config, log and times (no weights)
+        card.mkdir(parents=True, exist_ok=True)
+        times = json.loads((card / "times.json").read_text()) if (card / "times.json").exists() else {}
         log = runs / f"{name}.log"
-        runs.mkdir(parents=True, exist_ok=True)
-        if not (adapter / "adapter.safetensors").exists():
+        if not (export / "adapter.safetensors").exists():
             if eval_only:
                 run(["base"], runs)
-                shutil.copytree(HERE / "adapters" / "base", adapter, dirs_exist_ok=True)
-                conf = json.loads((adapter / "adapter_config.json").read_text())
+                shutil.copytree(runs / "base" / "export", export, dirs_exist_ok=True)
+                conf = json.loads((export / "adapter_config.json").read_text())
                 conf["config"].update(over["lookahead"])
-                (adapter / "adapter_config.json").write_text(json.dumps(conf, indent=2) + "\n")
-                times = {}
+                (export / "adapter_config.json").write_text(json.dumps(conf, indent=2) + "\n")
+                times = {"train": "the base's adapter"}
             else:
                 if name != "base" and all(cfg[s] == base_cfg[s] for s in SHARED):
-                    (work).mkdir(parents=True, exist_ok=True)
-                    link = work / "targets"
-                    if not link.exists():
-                        link.symlink_to((runs / "base" / "targets").resolve(), target_is_directory=True)
-                        if not (runs / "base" / "targets" / "manifest.json").exists():
-                            raise SystemExit(f"{name} shares the base's targets: run the base first")
+                    work.mkdir(parents=True, exist_ok=True)
+                    if not (runs / "base" / "targets" / "manifest.json").exists():
+                        raise SystemExit(f"{name} shares the base's targets: run the base first")
+                    if not (work / "targets").exists():
+                        (work / "targets").symlink_to((runs / "base" / "targets").resolve(), target_is_directory=True)
                     times["targets"] = "shared with base"
                 times["train_seconds"] = round(_sh([sys.executable, "-m", "train_lookahead", "--config",
                                                     str(cfg_path), "--workdir", str(work), "--no-progress"], log))
-                shutil.copytree(work / "export", adapter, dirs_exist_ok=True)
+        for f in CARD_FILES:
+            if (export / f).exists():
+                shutil.copy2(export / f, card / f)
         out = HERE / "results" / name
         if not (out / "metrics.json").exists():
             out.mkdir(parents=True, exist_ok=True)
@@ -122,8 +129,8 @@ def run(names: list[str], runs: pathlib.Path) -> None:
                 rows = [l for l in FULL_ROWS.read_text().splitlines() if json.loads(l)["policy"] == "full"]
                 (out / "results.jsonl").write_text("\n".join(rows) + "\n")
             times["eval_seconds"] = round(_sh([sys.executable, "-m", "kvjax.eval", *EVAL, "--lookahead",
-                                               str(adapter), "--out", str(out)], log))
-        (adapter / "times.json").write_text(json.dumps(times, indent=1) + "\n")
+                                               str(export), "--out", str(out)], log))
+        (card / "times.json").write_text(json.dumps(times, indent=1) + "\n")
 
 
 def _scores(name: str) -> dict[str, dict[str, float]]:
@@ -151,6 +158,8 @@ def table() -> str:
         times_path = HERE / "adapters" / name / "times.json"
         times = json.loads(times_path.read_text()) if times_path.exists() else {}
         train = "eval only" if eval_only else str(times.get("train_seconds", ""))
+        if times.get("targets") == "shared with base":
+            train += " (+ base's targets)"
         cells, diffs, counts = [], [], []
         for setting in ("r=0.5", "r=0.75"):
             got = s.get(setting, {})
