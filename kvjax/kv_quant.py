@@ -129,8 +129,11 @@ class KVQuant:
 # int4: one scale per slot and head after a Hadamard rotation (2 bytes per head_dim codes: 3.5x a bf16
 # cache's slot with its position and valid bit); int4_g32 / int4_kivi spend more bytes on scales for
 # accuracy; int2: naive group-wise (min/max per 32 channels); int2_hadamard / int2_kivi the remedies.
+# int8_g16: a scale per 16 channels (9 bits per element instead of 8.25), so a key's outlier channels widen
+# only their own group's steps (a candidate for int8 on small-head models; eval/README, issue 26).
 PRESETS: dict[str, KVQuant] = {
     "int8": KVQuant("int8"),
+    "int8_g16": KVQuant("int8", group=16),
     "fp8": KVQuant("fp8"),
     "int4": KVQuant("int4", rotation="hadamard", residual=128),
     "int4_g32": KVQuant("int4", group=32, asymmetric=True, residual=128),

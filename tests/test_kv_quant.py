@@ -29,7 +29,7 @@ def _groups(x, g):
 
 @pytest.mark.parametrize("config", [KVQuant("int8"), KVQuant("int4", group=16), KVQuant("int2", group=32),
                                     KVQuant("int4", group=32, asymmetric=True), KVQuant("int2", asymmetric=True),
-                                    KVQuant("int8", asymmetric=True)])
+                                    KVQuant("int8", asymmetric=True), kv_quant.PRESETS["int8_g16"]])
 def test_integer_codes_equal_numpy_and_round_trip_within_a_step(config):
     """Codes equal NumPy's rounding against the stored scale; a value comes back within half a step
     (symmetric; the scale is rounded up to float16, so nothing clips), or within one step (asymmetric:
@@ -56,6 +56,9 @@ def test_integer_codes_equal_numpy_and_round_trip_within_a_step(config):
     np.testing.assert_array_equal(codes, want)
     deq = np.asarray(kv_quant.dequantize(q, config))
     step = np.repeat(s, g, axis=-1)
+    if config == kv_quant.PRESETS["int8_g16"]:  # its point: the small channels' error shrinks with their groups
+        whole = np.asarray(kv_quant.dequantize(kv_quant.quantize(jnp.asarray(x), KVQuant("int8")), KVQuant("int8")))
+        assert np.abs(deq - x)[..., :16].mean() < 0.5 * np.abs(whole - x)[..., :16].mean()
     assert (np.abs(deq - x) <= (1.0 if config.asymmetric else 0.5) * step * (1 + 1e-4) + 1e-6).all()
 
 
@@ -142,7 +145,7 @@ def test_window_takes_appends_and_flushes_whole(config):
             assert np.abs(np.asarray(keys[b, :, slot]) - kk).max() < (0.05 if config.format == "int8" else 0.8)
 
 
-@pytest.mark.parametrize("preset", ["int8", "int4_kivi", "int2_hadamard", "int4"])
+@pytest.mark.parametrize("preset", ["int8", "int8_g16", "int4_kivi", "int2_hadamard", "int4"])
 def test_decode_attention_over_quantized_storage_equals_numpy(preset):
     """One decode step: the quantized slots (dequantized) and the window attended together as one softmax;
     the probabilities put the window's entries at their slots; a row that sees nothing gives zeros."""
