@@ -7,9 +7,23 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("KVJAX_COMPILATION_CACHE", "off")
 # The suite compiles thousands of small XLA programs and runs each a few times: LLVM's optimisation
 # passes are most of a compile and buy nothing at test sizes (about a third less CPU; no numerics flag:
-# fast math stays off). Subprocesses (CLI tests, notebooks) inherit it. Set XLA_FLAGS to opt out.
+# fast math stays off). Subprocesses (CLI tests, notebooks) inherit it. Set XLA_FLAGS to opt out; an XLA
+# that no longer knows these flags (it would abort) runs without them.
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-os.environ.setdefault("XLA_FLAGS", _FAST_COMPILE)
+
+
+def _xla_accepts(flags: str) -> bool:
+    """An XLA that does not know a flag aborts the process: try them in a child first (about a second)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    code = "import jax.numpy as jnp; jnp.zeros(2).block_until_ready()"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
+
+
+if "XLA_FLAGS" not in os.environ and _xla_accepts(_FAST_COMPILE):
+    os.environ["XLA_FLAGS"] = _FAST_COMPILE
 
 import jax  # noqa: E402
 
