@@ -207,7 +207,9 @@ class QuantizedStorage:
             new["wslot"] = self.wslot.at[(*at, bi, hi, j)].set(target, mode="drop")
         s = self.replace(**new)
         full = _rows(s.fill, at) - flushed >= self.window
-        return jax.lax.cond(jnp.any(full), lambda c: c._flush(at, full), lambda c: c, s)
+        # module-level branches with operands (not closures): an eager call (outside jit) then reuses
+        # one compiled cond per shape instead of compiling a new one per call
+        return jax.lax.cond(jnp.any(full), _flush_branch, _unchanged_branch, s, at, full)
 
     def _flush(self, at: tuple, full: jax.Array) -> Any:
         """Quantizes the window of the heads `full` [B,Hkv] into its slots [flushed, flushed + W)."""
@@ -337,6 +339,14 @@ class QuantizedKVCache(QuantizedStorage):
                                           mesh)
         local = None if self.local is None else self.local.shardings(mesh)
         return jax.tree.map(spec, self.replace(local=None)).replace(local=local)
+
+
+def _flush_branch(cache: Any, at: tuple, full: jax.Array) -> Any:
+    return cache._flush(at, full)
+
+
+def _unchanged_branch(cache: Any, at: tuple, full: jax.Array) -> Any:
+    return cache
 
 
 def _put(store: Quantized, at: tuple, new: Quantized, slots: jax.Array, heads: jax.Array, per_group: int,

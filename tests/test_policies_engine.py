@@ -17,14 +17,20 @@ MAX_NEW = 8
 OVERRIDES = {"lazy_eviction": dict(window=8)}
 
 
+_TESTS_PER_CLEAR = 16
+_tests_run = [0]
+
+
 @pytest.fixture(autouse=True)
 def _release_compiled_programs():
-    """Each test compiles programs for a new (model, policy); drop them afterwards so a long run
-    (the slow cross product) does not accumulate hundreds of executables in one process."""
+    """Each test compiles programs for a new (model, policy); drop them every `_TESTS_PER_CLEAR` tests
+    so that a long run (the slow cross product) does not accumulate hundreds of executables in one
+    process, while neighbouring presets still share the programs that do not depend on the policy
+    (the decode loop of a prefill-time policy, the full cache's)."""
     yield
-    import jax
-
-    jax.clear_caches()
+    _tests_run[0] += 1
+    if _tests_run[0] % _TESTS_PER_CLEAR == 0:
+        jax.clear_caches()
 
 
 def _policy(name, model=None):
