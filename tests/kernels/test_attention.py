@@ -110,6 +110,30 @@ def test_flash_attention_equals_attend(kind, blocks):
     assert np.asarray(got)[np.repeat(blind, Hq // Hkv, axis=1)].max(initial=0) == 0
 
 
+@pytest.mark.parametrize("kind", ["right", "left", "holes", "random", "cache"])
+def test_flash_attention_row_by_row_equals_the_batch(kind):
+    """`per_row` (each row its own block ranges) and the batched path give the same output and lse, both
+    equal to `attend`, on rows of unequal lengths (a padded batch)."""
+    rng = np.random.RandomState(hash(kind) % 2**31)
+    B, Hq, Hkv, n, D = 3, 4, 2, 70, 8
+    S = n if kind not in ("cache", "random") else 90
+    q, k, v = (jnp.asarray(rng.randn(*s), jnp.float32) for s in ((B, Hq, n, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+    q_pos, k_pos = (np.array(x) for x in _layout(rng, kind, B, Hkv, n, S))
+    if kind in ("right", "left"):  # rows of 70, 41 and 9 real tokens
+        for b, m in ((1, 41), (2, 9)):
+            row = np.full(n, -1)
+            row[:m] = np.arange(m)
+            q_pos[b] = row if kind == "right" else np.roll(row, n - m)
+            k_pos[b] = q_pos[b][None]
+    q_pos, k_pos = jnp.asarray(q_pos, jnp.int32), jnp.asarray(k_pos, jnp.int32)
+    want, _ = attend(q, k, v, q_pos, k_pos, 0.4)
+    run = {flag: jax.jit(functools.partial(flash_attention, scale=0.4, block_q=16, block_k=8, per_row=flag))(
+        q, k, v, q_pos, k_pos) for flag in (True, False)}
+    np.testing.assert_allclose(np.asarray(run[True][0]), np.asarray(want), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(run[True][0]), np.asarray(run[False][0]), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(run[True][1]), np.asarray(run[False][1]), atol=2e-6)
+
+
 @pytest.mark.parametrize("window, softcap", [(7, None), (None, 2.0), (20, 3.0)])
 def test_flash_attention_window_and_softcap(window, softcap):
     rng = np.random.RandomState(3)

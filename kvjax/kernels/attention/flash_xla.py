@@ -7,6 +7,11 @@ but never holds more than one [block_q, block_k] tile of logits per head: query 
 online softmax. Blocks that every query of the block sees entirely skip the mask. It returns the
 log-sum-exp of each query's logits as well, which the two-pass column mass takes as its first pass.
 
+The block ranges are shared by the rows of one call, so in a batch of unequal lengths the shorter rows
+would compute their padding's blocks for the longer ones. On CPU (the default) a batch runs row by row
+(`per_row`, `lax.map`), each row with its own ranges: a padded batch then costs what its rows cost one by
+one. Elsewhere the rows stay together, where a batched tile keeps the device busy.
+
 The block loops have traced trip counts (`lax.fori_loop` over a while loop): the function is for
 forward passes (prefill), not reverse-mode differentiation.
 """
@@ -33,15 +38,26 @@ def _blocks(n: int, target: int) -> tuple[int, int]:
 def flash_attention(
     q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, scale: float,
     *, window: int | None = None, softcap: float | None = None, block_q: int = BLOCK_Q, block_k: int = BLOCK_K,
+    per_row: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Causal attention by position over masked slots, blocked, without probabilities.
 
     q [B,Hq,n,D], k/v [B,Hkv,S,D], q_pos [B,n] (-1 = padding query), k_pos [B,Hkv,S] (-1 = empty).
     Query i sees slot s iff 0 <= k_pos[s] <= q_pos[i] (and q_pos[i] - k_pos[s] < window when given);
     softcap: logits -> softcap * tanh(logits / softcap) first (Gemma 2). As `reference.attend`.
+    per_row: run the rows one at a time, each visiting only its own blocks (None: on CPU, when B > 1).
     Returns out [B,Hq,n,D] (q dtype; zeros for a query that sees no slot) and lse [B,Hq,n] float32,
     the log-sum-exp of each query's visible logits (0 for a query that sees none).
     """
+    if per_row is None:
+        per_row = q.shape[0] > 1 and jax.default_backend() == "cpu"
+    if per_row:
+        def one_row(row):
+            out, lse = flash_attention(*(x[None] for x in row), scale, window=window, softcap=softcap,
+                                       block_q=block_q, block_k=block_k, per_row=False)
+            return out[0], lse[0]
+
+        return jax.lax.map(one_row, (q, k, v, q_pos, k_pos))
     B, Hq, n, D = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     G = Hq // Hkv
