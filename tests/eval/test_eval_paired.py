@@ -175,3 +175,43 @@ def test_table_refuses_incomplete_settings_and_partial_marks_them(tmp_path):
     assert "configured, no rows: qa_1" in text and "incomplete, t2 absent (2 samples): knorm (agnostic r=0.5)" in text
     with pytest.raises(ValueError, match="query-aware"):
         table.main(["--agnostic", aware, "--out", str(out)])
+
+
+def _rounds_module():
+    _table_module()  # rounds.py imports table.py from its folder
+    spec = importlib.util.spec_from_file_location("ruler_rounds", ROOT / "eval/smollm2_ruler_2k/rounds.py")
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_rounds_rank_the_complete_presets_and_seed_only_theirs(tmp_path):
+    rounds = _rounds_module()
+    sc = lambda a, b: {"t1": a, "t2": b}  # noqa: E731
+    reached = lambda rows, flag: [{**r, "stats": {**r["stats"], "budget_reached": flag}} for r in rows]  # noqa: E731
+    rows = (_rows("full", "full", sc([1.0, 1.0], [1.0, 0.0]))
+            # means over the two ratios: snapkv (75 + 50) / 2, tova (50 + 50) / 2 = 50, h2o 100 but never reached
+            + _rows("snapkv", "r=0.5", sc([1.0, 1.0], [1.0, 0.0])) + _rows("snapkv", "r=0.75", sc([1.0, 0.0], [1.0, 0.0]))
+            + _rows("tova", "r=0.5", sc([1.0, 0.0], [1.0, 0.0])) + _rows("tova", "r=0.75", sc([0.0, 1.0], [0.0, 1.0]))
+            + reached(_rows("h2o", "r=0.5", sc([1.0, 1.0], [1.0, 1.0])), False)
+            + reached(_rows("h2o", "r=0.75", sc([1.0, 1.0], [1.0, 1.0])), True)
+            # knorm lacks r=0.75's t2: not ranked
+            + _rows("knorm", "r=0.5", sc([1.0, 1.0], [1.0, 1.0])) + _rows("knorm", "r=0.75", {"t1": [1.0, 1.0]}))
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (src / "run_config.json").write_text(json.dumps({"tasks": ["t1", "t2"], "policies": ["snapkv", "tova", "h2o", "knorm"],
+                                                     "compression_ratios": [0.5, 0.75], "num_samples": 2}))
+    ranked, left_out = rounds.rank([str(src)])
+    assert ranked == [("snapkv", 62.5), ("tova", 50.0)]
+    assert set(left_out) == {"h2o", "knorm"} and "never came down" in left_out["h2o"]
+    out = tmp_path / "round"
+    assert rounds.seed(src, out, ["snapkv"]) == 12  # full 4 + snapkv 8
+    assert rounds.seed(src, out, ["snapkv", "tova"]) == 8  # a re-seed adds only what is missing
+    seeded = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines()]
+    assert sorted({r["policy"] for r in seeded}) == ["full", "snapkv", "tova"] and len(seeded) == 20
+    cmd = rounds.eval_command(src, out, ["snapkv", "tova"], ["--num-samples", "6"])
+    assert cmd[cmd.index("--config") + 1] == str(src / "run_config.json")
+    assert cmd[cmd.index("--policies") + 1:cmd.index("--out")] == ["snapkv", "tova"] and cmd[-2:] == ["--num-samples", "6"]
+    with pytest.raises(SystemExit):  # more presets asked for than are complete
+        rounds.main(["best", "--from", str(src), "--n", "3"])
