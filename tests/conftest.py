@@ -25,7 +25,9 @@ def _xla_accepts(flags: str) -> bool:
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True).returncode == 0
 
 
-if "XLA_FLAGS" not in os.environ:
+# CPU only: the device check runs the gpu_only / tpu_only tests with JAX_PLATFORMS="" (the accelerator), where
+# -O0 would slow the GPU programs themselves.
+if "XLA_FLAGS" not in os.environ and os.environ["JAX_PLATFORMS"] == "cpu":
     _flags = " ".join(_FAST_COMPILE)
     if not _xla_accepts(_flags):
         _flags = " ".join(f for f in _FAST_COMPILE if _xla_accepts(f))

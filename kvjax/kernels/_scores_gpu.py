@@ -7,8 +7,9 @@ Same two passes as ``_scores_tpu`` in the natural GPU layout (queries on rows, k
    blocks that can see it, summing p over rows into per-key accumulators held in registers.
 
 Triton needs power-of-two shapes for every value: D is zero-padded to a power of two (>= 16,
-which leaves q.k unchanged) and blocks are powers of two. Never run on a GPU in this project
-so far (no GPU was available); only checked to lower with ``lowering_platforms=("cuda",)``.
+which leaves q.k unchanged) and blocks are powers of two. Float32 inputs dot at IEEE precision
+(``full_precision``; Triton's default is TF32). Run on an H200 (eval/device/nvidia-h200.md): column
+mass 6.6-7.4x faster than XLA, window scores 2-4x slower (XLA stays their GPU default).
 """
 
 from __future__ import annotations
@@ -24,11 +25,18 @@ from kvjax._compat import pl
 from kvjax.kernels import _common
 
 
+def full_precision(dtype: jnp.dtype) -> lax.Precision | None:
+    """The dot precision of float32 inputs: IEEE. Triton's default for float32 dots is TF32 (10-bit
+    mantissas), which the H200 run of the float32 kernel tests caught (errors near 1e-3); bfloat16 and
+    float16 inputs are exact in either."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
 def pow2_at_least(n: int, floor: int = 16) -> int:
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
-def _lse_kernel(q_ref, k_ref, qpos_ref, kpos_ref, nblk_ref, lse_ref, *, scale, bk):
+def _lse_kernel(q_ref, k_ref, qpos_ref, kpos_ref, nblk_ref, lse_ref, *, scale, bk, precision):
     q = q_ref[...]
     qp = qpos_ref[...]
     bq = q.shape[0]
@@ -37,7 +45,7 @@ def _lse_kernel(q_ref, k_ref, qpos_ref, kpos_ref, nblk_ref, lse_ref, *, scale, b
         m, l = carry
         k = k_ref[pl.ds(c * bk, bk), :]
         kp = kpos_ref[pl.ds(c * bk, bk)]
-        s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+        s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
         mask = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
         s = jnp.where(mask, s, _common.MASK_VALUE)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
@@ -50,7 +58,7 @@ def _lse_kernel(q_ref, k_ref, qpos_ref, kpos_ref, nblk_ref, lse_ref, *, scale, b
 
 
 def _moments_kernel(q_ref, k_ref, qpos_ref, kpos_ref, lse_ref, firstq_ref, *out_refs, scale, bq, nq,
-                    groups, moments, group_reduce):
+                    groups, moments, group_reduce, precision):
     k = k_ref[...]
     kp = kpos_ref[...]
     bk = k.shape[0]
@@ -60,7 +68,7 @@ def _moments_kernel(q_ref, k_ref, qpos_ref, kpos_ref, lse_ref, firstq_ref, *out_
             q = q_ref[g, pl.ds(c * bq, bq), :]
             lse = lse_ref[g, pl.ds(c * bq, bq)]
             qp = qpos_ref[pl.ds(c * bq, bq)]
-            s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * scale
+            s = jnp.dot(q, k.T, precision=precision, preferred_element_type=jnp.float32) * scale
             mask = (kp[None, :] >= 0) & (kp[None, :] <= qp[:, None])
             p = jnp.where(mask, jnp.exp(s - lse[:, None]), 0.0)
             return tuple(a + jnp.sum(_common.moment_contribution(m, p), axis=0) for a, m in zip(accs, moments))
@@ -97,6 +105,7 @@ def score_moments(q5: jax.Array, keys: jax.Array, qpos: jax.Array, kpos: jax.Arr
     kpos = _common.pad_axis(kpos.astype(jnp.int32), 2, sp, -1)
     run, _, _ = _common.block_visibility(qpos, kpos, bq, bk)
     params = _compat.triton_compiler_params(num_warps, num_stages)
+    precision = full_precision(q5.dtype)
     q_flat = q5.reshape(b * hkv, groups, tp, dp)
     k_flat = keys.reshape(b * hkv, sp, dp)
     kpos_flat = kpos.reshape(b * hkv, sp)
@@ -104,7 +113,7 @@ def score_moments(q5: jax.Array, keys: jax.Array, qpos: jax.Array, kpos: jax.Arr
     if lse is None:
         nblk = (_common.last_visible_block(run) + 1).reshape(b * hkv, nq)
         lse = pl.pallas_call(
-            functools.partial(_lse_kernel, scale=scale, bk=bk),
+            functools.partial(_lse_kernel, scale=scale, bk=bk, precision=precision),
             grid=(b * hkv * groups, nq),
             in_specs=[
                 pl.BlockSpec((None, bq, dp), lambda i, j: (i, j, 0)),
@@ -127,7 +136,7 @@ def score_moments(q5: jax.Array, keys: jax.Array, qpos: jax.Array, kpos: jax.Arr
     n_rows = groups if group_reduce is None else 1
     outs = pl.pallas_call(
         functools.partial(_moments_kernel, scale=scale, bq=bq, nq=nq, groups=groups, moments=moments,
-                          group_reduce=group_reduce),
+                          group_reduce=group_reduce, precision=precision),
         grid=(b * hkv, nk),
         in_specs=[
             pl.BlockSpec((None, groups, tp, dp), lambda i, j: (i, 0, 0, 0)),

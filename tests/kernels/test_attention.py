@@ -10,7 +10,7 @@ import pytest
 
 from kvjax import kernels
 from kvjax.kernels import _common
-from kvjax.kernels.attention import Keys, SegmentedKeys, api, attention, splash_tpu
+from kvjax.kernels.attention import Keys, SegmentedKeys, api, attention, cudnn_gpu, splash_tpu
 from kvjax.kernels.attention.flash_xla import flash_attention
 from kvjax.kernels.attention.reference import attend, attend_blocked
 from kvjax.kernels.column_mass.reference import log_sum_exp
@@ -316,7 +316,7 @@ def test_fallback_order_and_refusals(monkeypatch):
     with pytest.raises(NotImplementedError, match=r"flash \(flash takes more than one query.*segment \(segment reads"):
         attention(q, keys, q_pos, scale=0.5, implementation=("flash", "segment"))
     with pytest.raises(ValueError, match="names must come from"):
-        attention(q, keys, q_pos, scale=0.5, implementation="cudnn")
+        attention(q, keys, q_pos, scale=0.5, implementation="flash3")
     with pytest.raises(ValueError, match="accepted values"):
         attention(q, keys, q_pos, scale=0.5, returns=("weights",))
 
@@ -332,3 +332,103 @@ def test_fully_masked_rows_never_give_nan():
         for x in (res.out, res.probs, res.lse):
             if x is not None:
                 assert np.isfinite(np.asarray(x)).all() and not np.asarray(x).any()
+
+
+# ---------------------------------------------------------------------------------------------- cuDNN (GPU)
+
+
+@pytest.mark.parametrize("kind, want", [("right", True), ("left", False), ("holes", False), ("perm", False)])
+def test_right_padded_index_causal(kind, want):
+    """cuDNN masks by index and per-row length: only right-padded rows with increasing positions qualify."""
+    rng = np.random.RandomState(15)
+    if kind == "perm":
+        q_pos = rng.permutation(12)[None]
+    else:
+        q_pos = _layout(rng, kind, 3, 1, 12, 12)[0]
+        if kind == "left":
+            q_pos[0, 0] = -1  # at least one row with padding in front
+    assert bool(cudnn_gpu.right_padded_index_causal(jnp.asarray(q_pos, jnp.int32))) == want
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_cudnn_call_through_xla_equals_attend(dtype):
+    """`fused_attention`'s call (layout, GQA, per-row lengths, padding zeroed) through XLA's implementation of
+    the same jax API equals `attend` on right-padded rows: what the GPU runs differs only in the backend."""
+    rng = np.random.RandomState(16)
+    B, Hq, Hkv, n, D = 2, 8, 2, 48, 16
+    q, k, v = (jnp.asarray(rng.randn(*s), dtype) for s in ((B, Hq, n, D), (B, Hkv, n, D), (B, Hkv, n, D)))
+    q_pos = jnp.asarray(np.where(np.arange(n) < np.array([[n], [29]]), np.arange(n), -1), jnp.int32)
+    k_pos = jnp.broadcast_to(q_pos[:, None], (B, Hkv, n))
+    got = cudnn_gpu.fused_attention(q, k, v, q_pos, 0.25, implementation="xla")
+    want, _ = attend(*(x.astype(jnp.float32) for x in (q, k, v)), q_pos, k_pos, 0.25)
+    assert got.dtype == dtype and got.shape == q.shape
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), **({"atol": 2e-6} if dtype == jnp.float32
+                                                                              else {"atol": 3e-2}))
+    assert not np.asarray(got, np.float32)[1, :, 29:].any()  # padding queries: zeros
+
+
+@pytest.mark.parametrize("kind", ["right", "left"])
+def test_cudnn_implementation_in_the_op(monkeypatch, kind):
+    """Through the op: right-padded index-causal rows take the fused call, others the flash branch; both equal
+    the NumPy reference, and the column mass comes from the two-pass kernel (cuDNN gives no usable lse)."""
+    used = []
+    real_fused = cudnn_gpu.fused_attention
+
+    def through_xla(q, k, v, q_pos, scale):
+        used.append(True)
+        return real_fused(q, k, v, q_pos, scale, implementation="xla")
+
+    monkeypatch.setattr(cudnn_gpu, "fused_attention", through_xla)
+    rng = np.random.RandomState(17)
+    B, Hq, Hkv, n, D = 2, 4, 2, 40, 16
+    q, k, v = (jnp.asarray(rng.randn(*s), jnp.bfloat16) for s in ((B, Hq, n, D), (B, Hkv, n, D), (B, Hkv, n, D)))
+    q_pos, k_pos = (jnp.asarray(x, jnp.int32) for x in _layout(rng, kind, B, Hkv, n, n))
+    if kind == "left":
+        q_pos = q_pos.at[0, 0].set(-1)
+        k_pos = jnp.broadcast_to(q_pos[:, None], (B, Hkv, n))
+    fused_taken = bool(cudnn_gpu.right_padded_index_causal(q_pos))
+    assert fused_taken == (kind == "right")
+    res = jax.jit(lambda q, k, v, qp, kp: attention(q, Keys(k, v, kp), qp, scale=0.3, returns=("column_mass",),
+                                                    own_keys=True, implementation="cudnn"))(q, k, v, q_pos, k_pos)
+    assert used  # the fused branch was traced (lax.cond traces both)
+    p = _numpy_probs(*(np.asarray(x, np.float64) for x in (q, k)), np.asarray(q_pos), np.asarray(k_pos), 0.3)
+    want = np.einsum("bhgns,bhsd->bhgnd", p, np.asarray(v, np.float64)).reshape(q.shape)
+    real = np.asarray(q_pos >= 0)[:, None, :, None]
+    np.testing.assert_allclose(np.where(real, np.asarray(res.out, np.float32), 0), np.where(real, want, 0), atol=3e-2)
+    np.testing.assert_allclose(np.asarray(res.column_mass), p.sum(axis=(2, 3)), atol=2e-4, rtol=1e-4)
+
+
+def test_cudnn_declines_where_it_cannot_run():
+    """float32 queries, a window, a decode step or a CPU without cuDNN: cudnn declines and the next
+    implementation of the order runs; it comes first on GPUs only."""
+    rng = np.random.RandomState(18)
+    q, k, v, q_pos, k_pos = _inputs(rng, 16, 16, "right")
+    keys = Keys(k, v, k_pos)
+    with pytest.raises(NotImplementedError, match=r"cudnn \(cudnn takes bfloat16 or float16"):
+        attention(q, keys, q_pos, scale=0.5, own_keys=True, implementation="cudnn")
+    with pytest.raises(NotImplementedError, match=r"cudnn \(cudnn takes a prefill's own keys"):
+        attention(q.astype(jnp.bfloat16), keys, q_pos, scale=0.5, own_keys=True, window=4, implementation="cudnn")
+    if jax.default_backend() == "cpu":
+        with pytest.raises(NotImplementedError, match=r"cudnn \(cudnn refused"):
+            attention(q.astype(jnp.bfloat16), keys, q_pos, scale=0.5, own_keys=True, implementation="cudnn")
+    got = attention(q.astype(jnp.bfloat16), keys, q_pos, scale=0.5, own_keys=True, implementation=("cudnn", "flash"))
+    want = attention(q.astype(jnp.bfloat16), keys, q_pos, scale=0.5, own_keys=True, implementation="flash")
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
+    assert api.default_order("gpu")[:2] == ("xla_fused", "cudnn")
+    assert "cudnn" not in api.default_order("cpu") and "cudnn" not in api.default_order("tpu")
+
+
+@pytest.mark.gpu_only
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU backend")
+@pytest.mark.parametrize("n", [1000, 4096])
+def test_cudnn_on_gpu_equals_flash(n):
+    """On a GPU with cuDNN: a right-padded bf16 prefill through the default order (cudnn) equals flash_xla."""
+    rng = np.random.RandomState(19)
+    B, Hq, Hkv, D = 2, 8, 2, 64
+    q, k, v = (jnp.asarray(rng.randn(*s), jnp.bfloat16) for s in ((B, Hq, n, D), (B, Hkv, n, D), (B, Hkv, n, D)))
+    q_pos = jnp.asarray(np.where(np.arange(n) < np.array([[n], [n - 77]]), np.arange(n), -1), jnp.int32)
+    k_pos = jnp.broadcast_to(q_pos[:, None], (B, Hkv, n))
+    got = attention(q, Keys(k, v, k_pos), q_pos, scale=D ** -0.5, own_keys=True, implementation="cudnn").out
+    want = flash_attention(q, k, v, q_pos, k_pos, D ** -0.5)[0]
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=2e-2)

@@ -16,6 +16,9 @@ compute it itself.
 
 Implementations (`IMPLEMENTATIONS`):
   xla_fused     jax.nn.dot_product_attention; own keys, index-causal, output only (training)
+  cudnn         cuDNN's fused flash attention on NVIDIA GPUs (`cudnn_gpu`); a prefill's own keys in
+                half precision, forward only; output only (flash when the rows are not right-padded
+                and index-causal)
   splash        jax's splash attention on TPU (KVJAX_KERNEL_IMPLEMENTATION pallas_tpu / interpret);
                 own keys, length a multiple of 128; out + lse (flash when not index-causal)
   decode        `kvjax.kernels.decode_attention` (its own XLA / Pallas table): one query, dense keys
@@ -49,7 +52,7 @@ from flax import struct
 
 from kvjax import _compat
 from kvjax.kernels._dispatch import resolve_implementation
-from kvjax.kernels.attention import flash_xla, quantized, reference, segment_quantized, splash_tpu
+from kvjax.kernels.attention import cudnn_gpu, flash_xla, quantized, reference, segment_quantized, splash_tpu
 from kvjax.kernels.attention.keys import Keys, QuantizedKeys, QuantizedSegmentedKeys, SegmentedKeys
 from kvjax.kernels.column_mass.api import column_mass as column_mass_op
 from kvjax.kernels.decode_attention.api import decode_attention
@@ -105,6 +108,28 @@ def _xla_fused(q: jax.Array, keys: object, q_pos: jax.Array, o: Options) -> Atte
         raise NotImplementedError("xla_fused needs own, index-causal keys, no soft-cap and no window")
     o.provides("xla_fused", set())
     return Attention(out=reference.fused(q, keys.k, keys.v, o.scale))
+
+
+def _cudnn(q: jax.Array, keys: object, q_pos: jax.Array, o: Options) -> Attention:
+    keys = _dense("cudnn", keys)
+    if not o.own_keys or o.differentiable or o.window is not None or o.softcap is not None or q.shape[2] == 1:
+        raise NotImplementedError("cudnn takes a prefill's own keys, forward only, no window or soft-cap")
+    if q.dtype not in cudnn_gpu.DTYPES:
+        raise NotImplementedError(f"cudnn takes bfloat16 or float16 queries, not {q.dtype}")
+    # The column mass, when asked, comes from the two-pass kernel (its own float32 lse pass): `_complete`.
+    o.provides("cudnn", {"column_mass"})
+
+    def fused():
+        return cudnn_gpu.fused_attention(q, keys.k, keys.v, q_pos, o.scale)
+
+    def flash():
+        return flash_xla.flash_attention(q, keys.k, keys.v, q_pos, keys.pos, o.scale)[0]
+
+    try:  # cuDNN absent or too old, or a shape it refuses: jax says so while tracing
+        out = fused() if o.index_causal else jax.lax.cond(cudnn_gpu.right_padded_index_causal(q_pos), fused, flash)
+    except (RuntimeError, ValueError, NotImplementedError, TypeError) as why:
+        raise NotImplementedError(f"cudnn refused: {str(why).splitlines()[0] if str(why) else type(why).__name__}")
+    return Attention(out=out)
 
 
 def _splash(q: jax.Array, keys: object, q_pos: jax.Array, o: Options) -> Attention:
@@ -222,6 +247,7 @@ ALL_BACKENDS = ("tpu", "gpu", "cuda", "rocm", "cpu")
 # table's order. Adding an implementation: its module, and one line here.
 IMPLEMENTATIONS: dict[str, tuple[Implementation, tuple[str, ...]]] = {
     "xla_fused": (_xla_fused, ALL_BACKENDS),
+    "cudnn": (_cudnn, ("gpu", "cuda")),
     "splash": (_splash, ("tpu",)),
     "decode": (_decode, ALL_BACKENDS),
     "flash": (_flash, ALL_BACKENDS),
