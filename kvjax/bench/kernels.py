@@ -19,9 +19,11 @@ import jax.numpy as jnp
 
 from kvjax import kernels
 from kvjax.bench import _timing
+from kvjax.kernels.attention import Keys, attention
 
-HELP = "time the scoring kernels (window_scores, column_mass, decode_attention) against their XLA references"
-OPS = ("window_scores", "column_mass", "decode_attention")
+HELP = ("time the scoring kernels (window_scores, column_mass, decode_attention) and the prefill attention "
+        "against their XLA references")
+OPS = ("window_scores", "column_mass", "decode_attention", "prefill_attention")
 
 # (batch, query heads, KV heads, head_dim, window) and the key lengths per op.
 SIZES = {
@@ -87,7 +89,23 @@ def build_cases(size: str, ops: tuple[str, ...], dtype: Any) -> list[Case]:
             nbytes = 2 * b * hkv * s * d * item + b * hkv * s + b * hq * s * 4 + 2 * b * hq * d * item
             cases.append(Case("decode_attention", f"B{b} Hq{hq} Hkv{hkv} S{s} D{d}", args, call, nbytes,
                               2 * 2.0 * b * hq * s * d))
+    if "prefill_attention" in ops:
+        for s in cfg["column"]:
+            pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+            args = (normal((b, hq, s, d)), normal((b, hkv, s, d)), normal((b, hkv, s, d)), pos, _positions(b, hkv, s))
+            cases.append(Case("prefill_attention", f"B{b} Hq{hq} Hkv{hkv} T=S={s} D{d}", args,
+                              functools.partial(_prefill_attention, scale=scale),
+                              (2 * b * hq * s * d + 2 * b * hkv * s * d) * item + b * s * 4 + b * hkv * s * 4,
+                              2 * 2.0 * b * hq * d * s * s / 2))
     return cases
+
+
+def _prefill_attention(impl: str, *, scale: float) -> Callable[..., Any]:
+    """A prefill's causal self-attention through the attention op: the kernel column is the op's default
+    order on this backend (cuDNN on GPUs, splash on TPUs, flash elsewhere), the XLA column `flash_xla`."""
+    order = "flash" if impl == "xla" else None
+    return jax.jit(lambda q, k, v, qp, kp: attention(q, Keys(k, v, kp), qp, scale=scale, own_keys=True,
+                                                     implementation=order).out)
 
 
 def default_kernel_impl() -> str:
@@ -129,6 +147,8 @@ def report(rows: list[list[Any]], impl: str, size: str, dtype: str, repeats: int
         "- GB/s counts one read of every input and one write of every output; the two-pass scoring ops "
         "(window_scores, column_mass) read the keys twice by design, and column_mass is compute-bound, "
         "so its bandwidth fraction is low by nature (see TFLOP/s)",
+        "- prefill_attention: the kernel column is the attention op's default order on this backend (cuDNN's "
+        "fused attention on GPUs, splash on TPUs, `flash_xla` on CPUs), the xla column `flash_xla`",
         "", _timing.markdown_table(COLUMNS, rows), ""]
     return "\n".join(lines)
 

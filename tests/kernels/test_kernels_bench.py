@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from kvjax.bench import __main__ as bench_main
 from kvjax.bench import kernels as bench_kernels
+from kvjax.kernels.attention.reference import attend
 
 
 def test_subcommands_are_discovered():
@@ -33,7 +36,8 @@ def test_kernels_table(tmp_path, capsys, monkeypatch):
     text = out.read_text()
     assert "device: CPU" in text and "`interpret`" in text and "says nothing about TPU speed" in text
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| op")]
-    assert [r.split(" | ")[0][2:] for r in rows] == ["window_scores", "column_mass", "decode_attention"]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["window_scores", "column_mass", "decode_attention",
+                                                     "prefill_attention"]
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
         assert float(cells[2]) > 0 and float(cells[3]) > 0  # kernel ms, xla ms
@@ -44,3 +48,14 @@ def test_kernels_table(tmp_path, capsys, monkeypatch):
 def test_bad_ops_are_rejected():
     with pytest.raises(SystemExit, match="unknown"):
         bench_main.main(["kernels", "--ops", "flash"])
+
+
+def test_prefill_attention_case_columns_agree():
+    """The prefill-attention row times the attention op's default order against `flash_xla`: both columns
+    compute the same causal attention (what makes the ratio a fair one)."""
+    case = next(c for c in bench_kernels.build_cases("micro", ("prefill_attention",), jnp.float32))
+    kernel, xla = (np.asarray(case.call(impl)(*case.args)) for impl in ("pallas_gpu", "xla"))
+    q, k, v, qp, kp = case.args
+    want, _ = attend(q, k, v, qp, kp, 1 / np.sqrt(q.shape[-1]))
+    np.testing.assert_allclose(kernel, np.asarray(want), atol=2e-5)
+    np.testing.assert_allclose(xla, np.asarray(want), atol=2e-5)
