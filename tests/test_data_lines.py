@@ -16,9 +16,9 @@ def tok():
     return load_bundled_tokenizer()
 
 
-@pytest.mark.parametrize("length", [512, 1024])
-def test_line_recall_quotes_the_numbered_line(tok, length):
-    samples = data.generate("line_recall", tok, length, 6, seed=7)
+@pytest.mark.parametrize("task, length", [("line_recall", 512), ("line_recall", 1024), ("record_recall", 768)])
+def test_line_recall_quotes_the_numbered_line(tok, task, length):
+    samples = data.generate(task, tok, length, 6, seed=7)
     lines_seen = set()
     for s in samples:
         assert s["length"] <= length < s["metadata"]["next_unit_length"]  # the most lines that fit
@@ -38,10 +38,32 @@ def test_repeat_asks_for_the_first_or_last_sentence(tok, task):
         assert task.split("_")[1] in s["question"] and s["length"] <= 768
 
 
+CODE_PATTERNS = {"number": r"\d{7}", "uuid": r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+                 "phone": r"\d{3}-\d{3}-\d{4}", "amount": r"\d{1,3},\d{3}\.\d{2}", "date": r"\d{4}-\d{2}-\d{2}",
+                 "reference": r"[A-Z2-9]{2}-[A-Z2-9]{6}"}
+
+
+def test_records_end_in_a_code_of_every_kind():
+    """Each record is prose words, then ", <kind> <code>." with the code of its kind's format; the kinds vary,
+    and the list is prefix-stable (a longer prompt holds the same first records)."""
+    from kvjax.data.lines import CODE_KINDS, records
+
+    recs = records(300, seed=5)
+    kinds = set()
+    for r in recs:
+        m = re.fullmatch(r"[A-Za-z' ,]+, (\w+) (\S+)\.", r)
+        assert m and m.group(1) in CODE_KINDS, r
+        assert re.fullmatch(CODE_PATTERNS[m.group(1)], m.group(2)), r
+        kinds.add(m.group(1))
+    assert kinds == set(CODE_KINDS)
+    assert records(40, seed=5) == recs[:40] and records(40, seed=6) != recs[:40]
+
+
 def test_ood_families_share_nothing_with_ruler_and_are_scored(tok):
-    assert {data.GENERATORS[t].family for t in data.SUITES["ood_train"]} == {"lines", "copy"}
-    assert not set(data.SUITES["ood_train"]) & set(data.SUITES["ruler"])
-    for t in data.SUITES["ood_train"]:
+    assert {data.GENERATORS[t].family for t in data.SUITES["ood_train_codes"]} == {"lines", "copy"}
+    assert set(data.SUITES["ood_train"]) < set(data.SUITES["ood_train_codes"])
+    assert not set(data.SUITES["ood_train_codes"]) & set(data.SUITES["ruler"])
+    for t in data.SUITES["ood_train_codes"]:
         s = data.generate(t, tok, 512, 1, seed=0)[0]
         assert "magic" not in s["context"] and "VAR" not in s["context"]
         score = lambda text: metrics.score_prediction(tasks.TASKS[t].metric, t, text, s)["score"]  # noqa: E731

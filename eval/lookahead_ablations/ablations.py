@@ -49,6 +49,10 @@ VARIANTS: dict[str, tuple[str, dict, bool]] = {
     "steps_50": ("50 steps", {"train": {"steps": 50}}, False),
     "prompts_32": ("32 prompts (150 steps)", {"data": {"sources": [{"num_samples": 32}]}}, False),
     "loss_topk": ("ranking loss on the top 25%", {"train": {"loss": "topk", "topk_fraction": 0.25}}, False),
+    "data_codes": ("data: + numbered records ending in codes (`ood_train_codes`)",
+                   {"data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, False),
+    "tokens_8_codes": ("8 lookahead tokens, data as data_codes",
+                       {"lookahead": {"n_tokens": 8}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, False),
     "gqa_max": ("max over a KV head's query heads", {"lookahead": {"gqa_reduce": "max"}}, True),
     "no_pooling": ("no max pooling", {"lookahead": {"pooling": None}}, True),
 }
@@ -72,6 +76,14 @@ def variant_config(name: str) -> dict:
     return _merge(yaml.safe_load(BASE.read_text()), over)
 
 
+def targets_owner(name: str) -> str:
+    """The first trained variant (in `VARIANTS` order) whose model, data and targets sections equal `name`'s:
+    the one that computes the targets `name` then shares (itself when none comes before it)."""
+    cfg = variant_config(name)
+    return next(v for v, (_, _, eval_only) in VARIANTS.items()
+                if not eval_only and all(variant_config(v)[s] == cfg[s] for s in SHARED))
+
+
 def _sh(cmd: list[str], log: pathlib.Path) -> float:
     start = time.time()
     with log.open("a") as f:
@@ -87,7 +99,6 @@ CARD_FILES = ("README.md", "adapter_config.json", "train_config.json", "log.json
 
 
 def run(names: list[str], runs: pathlib.Path) -> None:
-    base_cfg = variant_config("base")
     runs.mkdir(parents=True, exist_ok=True)
     for name in names:
         desc, over, eval_only = VARIANTS[name]
@@ -110,13 +121,14 @@ def run(names: list[str], runs: pathlib.Path) -> None:
                 (export / "adapter_config.json").write_text(json.dumps(conf, indent=2) + "\n")
                 times = {"train": "the base's adapter"}
             else:
-                if name != "base" and all(cfg[s] == base_cfg[s] for s in SHARED):
+                owner = targets_owner(name)
+                if owner != name:
                     work.mkdir(parents=True, exist_ok=True)
-                    if not (runs / "base" / "targets" / "manifest.json").exists():
-                        raise SystemExit(f"{name} shares the base's targets: run the base first")
+                    if not (runs / owner / "targets" / "manifest.json").exists():
+                        raise SystemExit(f"{name} shares {owner}'s targets: run {owner} first")
                     if not (work / "targets").exists():
-                        (work / "targets").symlink_to((runs / "base" / "targets").resolve(), target_is_directory=True)
-                    times["targets"] = "shared with base"
+                        (work / "targets").symlink_to((runs / owner / "targets").resolve(), target_is_directory=True)
+                    times["targets"] = f"shared with {owner}"
                 times["train_seconds"] = round(_sh([sys.executable, "-m", "train_lookahead", "--config",
                                                     str(cfg_path), "--workdir", str(work), "--no-progress"], log))
         for f in CARD_FILES:

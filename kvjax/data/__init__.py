@@ -8,7 +8,8 @@ context length. This package imports nothing from kvjax.eval, kvjax.training or 
 
 Suites: ``default`` (the 8 RULER needle tasks and vt: the bundled model's), ``ruler`` (all 13),
 ``synthetic`` (every RULER-style task generated from code alone), ``ood_train`` (families outside RULER,
-``kvjax.data.lines``: line retrieval and sentence copying, for out-of-distribution LookaheadKV adapters).
+``kvjax.data.lines``: line retrieval and sentence copying, for out-of-distribution LookaheadKV adapters;
+``ood_train_codes`` adds numbered records that end in codes).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def _generators() -> dict[str, Generator]:
     reg["passkey"] = Generator("passkey", "passkey", passkey, "5-digit pass key in noise")
     reg["line_recall"] = Generator("line_recall", "lines", line_recall,
                                    "quote a numbered line of prose by its number (LongEval-style; not RULER)")
+    reg["record_recall"] = Generator("record_recall", "lines", line_recall,
+                                     "quote a numbered record that ends in a code (digits, UUID, phone, amount, "
+                                     "date, reference) by its number (not RULER)")
     for which in ("first", "last"):
         reg[f"repeat_{which}"] = Generator(f"repeat_{which}", "copy", repeat_sentence,
                                            f"repeat the {which} sentence of a prose paragraph (not RULER)")
@@ -62,6 +66,7 @@ SUITES: dict[str, list[str]] = {
     "ruler": RULER_TASKS,
     "synthetic": [*NIAH_TASKS, "vt", "cwe", "fwe", "niah_grid", "passkey"],
     "ood_train": ["line_recall", "repeat_first", "repeat_last"],
+    "ood_train_codes": ["line_recall", "record_recall", "repeat_first", "repeat_last"],
 }
 
 

@@ -5,6 +5,10 @@ frequent words, QA). These prompts ask for something else over built-in prose (`
 
 - ``line_recall`` (family "lines", as LongChat's LongEval line retrieval): the context is numbered lines
   of prose, "line 17: ..."; the question asks to quote one line by its number. The answer is the line.
+- ``record_recall`` (family "lines"): the same numbered-line retrieval, but every line is a short record
+  that ends in a code (a 7-digit number, a UUID, a phone number, an amount, a date or an upper-case
+  reference), so the answer is a string of digits and hex that must be quoted whole. It exists because the
+  prose-only adapter kept only the first tokens of such values (eval/lookahead_smollm2_ood).
 - ``repeat_first`` / ``repeat_last`` (family "copy"): a paragraph of prose; the question asks to repeat its
   first (or last) sentence word for word. The answer is that sentence.
 
@@ -15,19 +19,56 @@ prediction), so the same generators also measure an adapter on them.
 
 from __future__ import annotations
 
+import random
+
 from kvjax.data.base import Options, Sample, fitted_sample, sample_rng
 from kvjax.data.prose import prose_sentences
 
-MAX_NEW_TOKENS = {"line_recall": 48, "repeat_first": 48, "repeat_last": 48}
+MAX_NEW_TOKENS = {"line_recall": 48, "record_recall": 64, "repeat_first": 48, "repeat_last": 48}
 _MAX_UNITS = 2000  # lines or sentences per prompt (far above what 16K tokens hold)
 
 
+CODE_KINDS = ("number", "uuid", "phone", "amount", "date", "reference")
+
+
+def code(kind: str, rng: random.Random) -> str:
+    """A random value of one of `CODE_KINDS`: 4821937, 9f1c0a2e-77b4-4c1d-8e0f-3b5a6c7d8e9f, 415-682-0193,
+    48,213.07, 2031-04-17, QX-58K2T9."""
+    if kind == "number":
+        return str(rng.randrange(10**6, 10**7))
+    if kind == "uuid":
+        return "-".join("".join(rng.choice("0123456789abcdef") for _ in range(n)) for n in (8, 4, 4, 4, 12))
+    if kind == "phone":
+        return f"{rng.randrange(200, 1000)}-{rng.randrange(200, 1000)}-{rng.randrange(10**4):04d}"
+    if kind == "amount":
+        return f"{rng.randrange(1000, 100000):,}.{rng.randrange(100):02d}"
+    if kind == "date":
+        return f"{rng.randrange(1990, 2040)}-{rng.randrange(1, 13):02d}-{rng.randrange(1, 29):02d}"
+    if kind == "reference":
+        alnum = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
+        return "".join(rng.choice(alnum) for _ in range(2)) + "-" + "".join(rng.choice(alnum) for _ in range(6))
+    raise ValueError(f"kind must be one of {CODE_KINDS}, got {kind!r}")
+
+
+def records(n: int, seed: int) -> list[str]:
+    """`n` records: the first words of a prose sentence, then a code of a random kind (prefix-stable in n)."""
+    rng = random.Random(seed)
+    out = []
+    for sentence in prose_sentences(n, seed=seed):
+        words = sentence.rstrip(".").split()[:rng.randrange(4, 9)]
+        kind = rng.choice(CODE_KINDS)
+        out.append(f"{' '.join(words)}, {kind} {code(kind, rng)}.")
+    return out
+
+
 def line_recall(task: str, opts: Options) -> list[Sample]:
-    """Numbered prose lines; "What is the content of line k?" with k uniform over the lines."""
+    """Numbered lines (prose for ``line_recall``, code-bearing records for ``record_recall``); "What is the
+    content of line k?" with k uniform over the lines."""
     samples = []
     for i in range(opts.num_samples):
         rng = sample_rng(opts.seed, task, i)
-        lines = prose_sentences(_MAX_UNITS, seed=rng.randrange(2**31))
+        seed = rng.randrange(2**31)
+        lines = records(_MAX_UNITS, seed) if task == "record_recall" else prose_sentences(_MAX_UNITS, seed=seed)
         depth = rng.random()
 
         def build(n: int, lines=lines, depth=depth) -> tuple[str, str, str]:

@@ -82,3 +82,8 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
             assert set(over) == {"lookahead"} and set(over["lookahead"]) <= {"gqa_reduce", "pooling", "kernel"}
     assert RunConfig.from_dict(ab.variant_config("prompts_32")).data.sources[0].num_samples == 32
     assert RunConfig.from_dict(ab.variant_config("spread_128")).lookahead.offsets[-1] == 124
+    codes = RunConfig.from_dict(ab.variant_config("data_codes")).data.sources[0]
+    assert codes.tasks == ("ood_train_codes",) and codes.num_samples == 128
+    # targets are computed once per (model, data, targets) and shared by the later variants that match
+    assert ab.targets_owner("base") == "base" and ab.targets_owner("tokens_8") == "base"
+    assert ab.targets_owner("data_codes") == "data_codes" and ab.targets_owner("tokens_8_codes") == "data_codes"
