@@ -367,10 +367,11 @@ def test_cudnn_call_through_xla_equals_attend(dtype):
     assert not np.asarray(got, np.float32)[1, :, 29:].any()  # padding queries: zeros
 
 
-@pytest.mark.parametrize("kind", ["right", "left"])
-def test_cudnn_implementation_in_the_op(monkeypatch, kind):
-    """Through the op: right-padded index-causal rows take the fused call, others the flash branch; both equal
-    the NumPy reference, and the column mass comes from the two-pass kernel (cuDNN gives no usable lse)."""
+@pytest.mark.parametrize("kind, index_causal", [("right", False), ("left", False), ("right", True)])
+def test_cudnn_implementation_in_the_op(monkeypatch, kind, index_causal):
+    """Through the op: right-padded index-causal rows take the fused call, others the flash branch (a caller
+    that says index_causal: the fused call alone); all equal the NumPy reference, and the column mass comes
+    from the two-pass kernel (cuDNN gives no usable lse)."""
     used = []
     real_fused = cudnn_gpu.fused_attention
 
@@ -389,7 +390,8 @@ def test_cudnn_implementation_in_the_op(monkeypatch, kind):
     fused_taken = bool(cudnn_gpu.right_padded_index_causal(q_pos))
     assert fused_taken == (kind == "right")
     res = jax.jit(lambda q, k, v, qp, kp: attention(q, Keys(k, v, kp), qp, scale=0.3, returns=("column_mass",),
-                                                    own_keys=True, implementation="cudnn"))(q, k, v, q_pos, k_pos)
+                                                    own_keys=True, index_causal=index_causal,
+                                                    implementation="cudnn"))(q, k, v, q_pos, k_pos)
     assert used  # the fused branch was traced (lax.cond traces both)
     p = _numpy_probs(*(np.asarray(x, np.float64) for x in (q, k)), np.asarray(q_pos), np.asarray(k_pos), 0.3)
     want = np.einsum("bhgns,bhsd->bhgnd", p, np.asarray(v, np.float64)).reshape(q.shape)
@@ -415,7 +417,7 @@ def test_cudnn_declines_where_it_cannot_run():
     want = attention(q.astype(jnp.bfloat16), keys, q_pos, scale=0.5, own_keys=True, implementation="flash")
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(np.asarray(got.out, np.float32), np.asarray(want.out, np.float32))
-    assert api.default_order("gpu")[:2] == ("xla_fused", "cudnn")
+    assert api.default_order("gpu")[:2] == ("cudnn", "xla_fused")
     assert "cudnn" not in api.default_order("cpu") and "cudnn" not in api.default_order("tpu")
 
 

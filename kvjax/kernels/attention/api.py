@@ -15,10 +15,10 @@ what it can; the op derives the column mass from the probabilities (a sum) or fr
 compute it itself.
 
 Implementations (`IMPLEMENTATIONS`):
-  xla_fused     jax.nn.dot_product_attention; own keys, index-causal, output only (training)
   cudnn         cuDNN's fused flash attention on NVIDIA GPUs (`cudnn_gpu`); a prefill's own keys in
                 half precision, forward only; output only (flash when the rows are not right-padded
                 and index-causal)
+  xla_fused     jax.nn.dot_product_attention; own keys, index-causal, output only (training)
   splash        jax's splash attention on TPU (KVJAX_KERNEL_IMPLEMENTATION pallas_tpu / interpret);
                 own keys, length a multiple of 128; out + lse (flash when not index-causal)
   decode        `kvjax.kernels.decode_attention` (its own XLA / Pallas table): one query, dense keys
@@ -246,8 +246,8 @@ ALL_BACKENDS = ("tpu", "gpu", "cuda", "rocm", "cpu")
 # name -> (implementation, the backends whose default order includes it); the default order is this
 # table's order. Adding an implementation: its module, and one line here.
 IMPLEMENTATIONS: dict[str, tuple[Implementation, tuple[str, ...]]] = {
+    "cudnn": (_cudnn, ("gpu", "cuda")),  # before xla_fused: XLA's fused attention materialises the logits on GPUs
     "xla_fused": (_xla_fused, ALL_BACKENDS),
-    "cudnn": (_cudnn, ("gpu", "cuda")),
     "splash": (_splash, ("tpu",)),
     "decode": (_decode, ALL_BACKENDS),
     "flash": (_flash, ALL_BACKENDS),
