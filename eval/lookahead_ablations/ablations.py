@@ -55,6 +55,9 @@ VARIANTS: dict[str, tuple[str, dict, bool]] = {
                        {"lookahead": {"n_tokens": 8}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, False),
     "gqa_max": ("max over a KV head's query heads", {"lookahead": {"gqa_reduce": "max"}}, True),
     "no_pooling": ("no max pooling", {"lookahead": {"pooling": None}}, True),
+    "kernel_3": ("max pooling over 3 positions (base: 7)", {"lookahead": {"kernel": 3}}, True),
+    "kernel_15": ("max pooling over 15 positions (base: 7): a kept value's neighbours", {"lookahead": {"kernel": 15}},
+                  True),
 }
 
 
