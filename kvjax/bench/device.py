@@ -540,9 +540,13 @@ def run_pytest(platform_name: str, *, budget: float, env: dict[str, str], fail: 
         names = [str(f.relative_to(REPO)) for f in files]
         with tempfile.TemporaryDirectory() as folder:
             log = pathlib.Path(folder) / "pytest.log"
-            # JAX_PLATFORMS="" (set): tests/conftest.py keeps it, so jax picks the accelerator, not the CPU
+            # JAX_PLATFORMS="" (set): tests/conftest.py keeps it, so jax picks the accelerator, not the CPU.
+            # The tests check values, not speed: XLA's GPU autotuning (seconds per program; the H200 run's first
+            # tests took about 25 s each) is turned off for them.
             cmd = [sys.executable, "-m", "pytest", "-m", marker, "-v", "-p", "no:cacheprovider", *names]
-            rc, _ = run_process(cmd, budget=budget, env={**env, "JAX_PLATFORMS": ""}, cwd=REPO, log=log)
+            flags = " ".join(x for x in (env.get("XLA_FLAGS", ""), "--xla_gpu_autotune_level=0") if x)
+            rc, _ = run_process(cmd, budget=budget, env={**env, "JAX_PLATFORMS": "", "XLA_FLAGS": flags}, cwd=REPO,
+                                log=log)
             text = log.read_text(errors="replace") if log.exists() else ""
         print(text[-6000:], flush=True)
         counts, failed = parse_verbose(text)
