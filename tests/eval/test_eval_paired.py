@@ -215,3 +215,61 @@ def test_rounds_rank_the_complete_presets_and_seed_only_theirs(tmp_path):
     assert cmd[cmd.index("--policies") + 1:cmd.index("--out")] == ["snapkv", "tova"] and cmd[-2:] == ["--num-samples", "6"]
     with pytest.raises(SystemExit):  # more presets asked for than are complete
         rounds.main(["best", "--from", str(src), "--n", "3"])
+
+
+def _goals_module():
+    spec = importlib.util.spec_from_file_location("lookahead_goals", ROOT / "eval/lookahead_ablations/goals.py")
+    mod = sys.modules[spec.name] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write(folder, rows):
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_lookahead_goals_pick_the_best_preset_and_judge_against_numpy(tmp_path, capsys):
+    """Issue 27's goals: the best LookaheadKV preset (mean paired diff over both ratios) against KVzip, and the
+    query-aware rows against the full cache at r=0.75; diffs and standard errors from NumPy, samples beyond --n
+    and unpaired ones left out, verdicts from the goal and two standard errors."""
+    goals = _goals_module()
+    rng = np.random.default_rng(3)
+    tasks = [f"t{j}" for j in range(11)]
+    n = 8  # 88 samples: the issue's floor
+    kv = {(t, r): rng.integers(0, 2, n + 2).astype(float) for t in tasks for r in (0.5, 0.75)}
+    ref, ood = [], []
+    for (t, r), s in kv.items():
+        ref += [_row("kvzip", f"r={r}", t, i, x, compression_ratio=r) for i, x in enumerate(s)]
+    full_aware = {t: rng.integers(0, 2, n).astype(float) for t in tasks}
+    ref += [_row("full", "full", t, i, x, compression_ratio=None, query_aware=True)
+            for t in tasks for i, x in enumerate(full_aware[t])]
+    want = {}
+    for name, shift in (("lookahead_kv", 0.0), ("ada_lookahead_kv", 0.2)):  # ada's scores are higher
+        for (t, r), s in kv.items():
+            mine = np.clip(s[:n] + shift * rng.integers(0, 2, n), 0, 1)
+            ood += [_row(name, f"r={r}", t, i, x, compression_ratio=r) for i, x in enumerate(mine)]
+            want[(name, t, r)] = mine - s[:n]
+    aware = {t: np.clip(full_aware[t] - 0.5 * rng.integers(0, 2, n), 0, 1) for t in tasks}
+    ood += [_row("ada_lookahead_kv", "r=0.75", t, i, x, compression_ratio=0.75, query_aware=True)
+            for t in tasks for i, x in enumerate(aware[t])]
+    _write(tmp_path / "ood", ood)
+    _write(tmp_path / "ref", ref)
+    assert goals.main(["--ood", str(tmp_path / "ood"), "--reference", str(tmp_path / "ref"), "--n", str(n)]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ") and "---" not in ln][1:]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    assert [c[2] for c in cells] == ["ada_lookahead_kv"] * 3 and [c[6] for c in cells] == ["88"] * 3
+
+    def expect(diffs, goal):
+        d = np.array([100 * diffs[t] for t in tasks])  # [task, sample]
+        mean = d.mean(axis=1).mean()
+        se = np.sqrt((d.var(axis=1, ddof=1) / n).sum()) / len(tasks)
+        verdict = "met" if mean >= goal else ("not met (within 2 s.e.)" if mean + 2 * se >= goal else "not met")
+        return f"{mean:+.1f} ± {se:.1f}", verdict
+
+    for c, r in zip(cells[:2], (0.5, 0.75)):
+        assert (c[5], c[7]) == expect({t: want[("ada_lookahead_kv", t, r)] for t in tasks}, 0.0)
+    assert (cells[2][5], cells[2][7]) == expect({t: aware[t] - full_aware[t] for t in tasks}, -3.0)
+    # fewer samples than the floor: reported, no verdict
+    goals.main(["--ood", str(tmp_path / "ood"), "--reference", str(tmp_path / "ref"), "--n", "4"])
+    assert "no verdict (44 < 88 samples)" in capsys.readouterr().out
