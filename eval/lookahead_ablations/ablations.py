@@ -29,6 +29,8 @@ import time
 
 import yaml
 
+from kvjax.eval.paired import plus_minus, task_mean_se
+
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 BASE = ROOT / "configs" / "lookahead_smollm2_ood.yaml"
@@ -37,8 +39,10 @@ EVAL = ["--config", "configs/eval_smollm2_ruler_2k.yaml", "--policies", "lookahe
         "0.5", "0.75", "--num-samples", "4", "--batch-size", "4", "--no-progress"]
 SHARED = ("model", "data", "targets")  # sections that make the targets
 
-# name: (what changes, overrides of the base config as {section: {key: value}}, eval_only)
-VARIANTS: dict[str, tuple[str, dict, bool]] = {
+# name: (what changes, overrides of the base config as {section: {key: value}}, eval_only). eval_only: False (trained),
+# True (the base's adapter with inference-time fields changed) or the name of the trained variant whose adapter it
+# reuses that way.
+VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "base": ("the base recipe", {}, False),
     "tokens_8": ("8 lookahead tokens", {"lookahead": {"n_tokens": 8}}, False),
     "tokens_16": ("16 lookahead tokens", {"lookahead": {"n_tokens": 16}}, False),
@@ -58,6 +62,9 @@ VARIANTS: dict[str, tuple[str, dict, bool]] = {
     "kernel_3": ("max pooling over 3 positions (base: 7)", {"lookahead": {"kernel": 3}}, True),
     "kernel_15": ("max pooling over 15 positions (base: 7): a kept value's neighbours", {"lookahead": {"kernel": 15}},
                   True),
+    "kernel_31": ("max pooling over 31 positions", {"lookahead": {"kernel": 31}}, True),
+    "tokens_8_kernel_15": ("tokens_8's adapter, pooling over 15", {"lookahead": {"n_tokens": 8, "kernel": 15}},
+                           "tokens_8"),
 }
 
 
@@ -77,6 +84,12 @@ def variant_config(name: str) -> dict:
     """The run config (a YAML mapping) of variant `name`."""
     _, over, _ = VARIANTS[name]
     return _merge(yaml.safe_load(BASE.read_text()), over)
+
+
+def parent_of(name: str) -> str:
+    """The trained variant whose adapter an eval-only variant reuses (itself for a trained one)."""
+    eval_only = VARIANTS[name][2]
+    return eval_only if isinstance(eval_only, str) else "base" if eval_only else name
 
 
 def targets_owner(name: str) -> str:
@@ -117,12 +130,13 @@ def run(names: list[str], runs: pathlib.Path) -> None:
         log = runs / f"{name}.log"
         if not (export / "adapter.safetensors").exists():
             if eval_only:
-                run(["base"], runs)
-                shutil.copytree(runs / "base" / "export", export, dirs_exist_ok=True)
+                parent = parent_of(name)
+                run([parent], runs)
+                shutil.copytree(runs / parent / "export", export, dirs_exist_ok=True)
                 conf = json.loads((export / "adapter_config.json").read_text())
                 conf["config"].update(over["lookahead"])
                 (export / "adapter_config.json").write_text(json.dumps(conf, indent=2) + "\n")
-                times = {"train": "the base's adapter"}
+                times = {"train": f"the {parent}'s adapter"}
             else:
                 owner = targets_owner(name)
                 if owner != name:
@@ -161,10 +175,12 @@ def _scores(name: str) -> dict[str, dict[str, float]]:
 
 def table() -> str:
     lines = ["# LookaheadKV recipe ablations, SmolLM2-135M-Instruct, out of distribution (issue 27)", "",
-             "Trained on `ood_train` (kvjax.data.lines) only; scored on RULER 2K question-agnostic, the 11 offline "
+             "Trained on `ood_train` (kvjax.data.lines) only (the `*_codes` variants: `ood_train_codes`, the same "
+             "suite plus numbered records ending in codes); scored on RULER 2K question-agnostic, the 11 offline "
              "tasks x 4 samples, lookahead_kv at r = 0.5 / 0.75; diff = the variant minus the base on the same "
-             "samples. Train = wall seconds of `python -m train_lookahead` on the 2-core CPU (targets shared with "
-             "the base unless said); eval-only variants reuse the base's adapter.", "",
+             "samples, ± its standard error stratified by task. Train = wall seconds of `python -m train_lookahead` "
+             "on the 2-core CPU shared with other jobs (targets shared where said); eval-only variants reuse the "
+             "named adapter (the base's unless said) with inference-time fields changed.", "",
              "| variant | what changes | train s | r=0.5 | r=0.75 | diff r=0.5 | diff r=0.75 | samples |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
     base = _scores("base")
@@ -172,9 +188,10 @@ def table() -> str:
         s = _scores(name)
         times_path = HERE / "adapters" / name / "times.json"
         times = json.loads(times_path.read_text()) if times_path.exists() else {}
-        train = "eval only" if eval_only else str(times.get("train_seconds", ""))
-        if times.get("targets") == "shared with base":
-            train += " (+ base's targets)"
+        train = ("eval only" + ("" if parent_of(name) == "base" else f" ({parent_of(name)}'s adapter)") if eval_only
+                 else str(times.get("train_seconds", "")))
+        if str(times.get("targets", "")).startswith("shared with "):
+            train += f" (+ {times['targets'][len('shared with '):]}'s targets)"
         cells, diffs, counts = [], [], []
         for setting in ("r=0.5", "r=0.75"):
             got = s.get(setting, {})
@@ -183,9 +200,12 @@ def table() -> str:
                 continue
             cells.append(f"{100 * sum(got.values()) / len(got):.1f}")
             counts.append(str(len(got)))
-            paired = [k for k in got if k in base.get(setting, {})]
-            d = [got[k] - base[setting][k] for k in paired]
-            diffs.append(f"{100 * sum(d) / len(d):+.1f}" if d and name != "base" else "")
+            by_task: dict[str, list[float]] = {}
+            for k in got:
+                if k in base.get(setting, {}):
+                    by_task.setdefault(k.rsplit("/", 1)[0], []).append(100 * (got[k] - base[setting][k]))
+            mean, se = task_mean_se(by_task)
+            diffs.append(plus_minus(mean, se, sign=True) if by_task and name != "base" else "")
         lines.append(f"| {name} | {desc} | {train} | {cells[0]} | {cells[1]} | {diffs[0]} | {diffs[1]} | "
                      f"{'/'.join(counts)} |")
     full = _scores("base").get("full", {})

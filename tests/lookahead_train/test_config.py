@@ -78,12 +78,17 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
         changed = {s for s in ("model", "lookahead", "data", "targets", "train", "optim")
                    if getattr(cfg, s) != getattr(base, s)}
         assert changed == set(over), name
-        if eval_only:  # only inference-time fields: the base's trained adapter serves
-            assert set(over) == {"lookahead"} and set(over["lookahead"]) <= {"gqa_reduce", "pooling", "kernel"}
+        if eval_only:  # only inference-time fields beyond the trained variant whose adapter serves
+            parent = ab.parent_of(name)
+            assert not ab.VARIANTS[parent][2] and set(over) == {"lookahead"} | set(ab.VARIANTS[parent][1])
+            added = {k for k, v in over["lookahead"].items() if ab.VARIANTS[parent][1].get("lookahead", {}).get(k) != v}
+            assert added <= {"gqa_reduce", "pooling", "kernel"}, name
+            assert all(ab.variant_config(name)[s] == ab.variant_config(parent)[s] for s in ("model", "data", "train"))
     assert RunConfig.from_dict(ab.variant_config("prompts_32")).data.sources[0].num_samples == 32
     assert RunConfig.from_dict(ab.variant_config("spread_128")).lookahead.offsets[-1] == 124
     codes = RunConfig.from_dict(ab.variant_config("data_codes")).data.sources[0]
     assert codes.tasks == ("ood_train_codes",) and codes.num_samples == 128
     # targets are computed once per (model, data, targets) and shared by the later variants that match
     assert ab.targets_owner("base") == "base" and ab.targets_owner("tokens_8") == "base"
+    assert ab.parent_of("tokens_8_kernel_15") == "tokens_8" and ab.parent_of("kernel_15") == "base"
     assert ab.targets_owner("data_codes") == "data_codes" and ab.targets_owner("tokens_8_codes") == "data_codes"
