@@ -1,7 +1,8 @@
 """Decode attention with probabilities on GPU (Pallas Triton), split over the key axis.
 
-Grid (B·Hkv, splits): each program owns a contiguous range of slots, loops over it in blocks of
-bk, writes the raw logits and its partial (acc, m, l); XLA merges the splits by log-sum-exp and
+Grid (B·Hkv, splits): each program owns a contiguous range of blocks of bk slots (the last range may be
+shorter: any block count splits ~evenly, so a capacity of 257 blocks still fills the GPU), loops over it,
+writes the raw logits and its partial (acc, m, l); XLA merges the splits by log-sum-exp and
 forms probs = exp(logits - lse). The G query heads of a group are padded to >= 16 rows (the
 smallest Triton dot). On an H200 1.3-1.7x faster than XLA at 8K-32K slots (eval/device/nvidia-h200.md).
 """
@@ -20,7 +21,7 @@ from kvjax.kernels._scores_gpu import full_precision, pow2_at_least
 from kvjax.kernels.decode_attention.pallas_tpu import probs_from_logits
 
 
-def _kernel(q_ref, k_ref, v_ref, valid_ref, logits_ref, acc_ref, m_ref, l_ref, *, scale, bk, cdt):
+def _kernel(q_ref, k_ref, v_ref, valid_ref, logits_ref, acc_ref, m_ref, l_ref, *, scale, bk, bps, blocks, cdt):
     precision = full_precision(cdt)
     q = q_ref[...].astype(cdt)
     rows, d = q.shape
@@ -41,23 +42,24 @@ def _kernel(q_ref, k_ref, v_ref, valid_ref, logits_ref, acc_ref, m_ref, l_ref, *
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _common.MASK_VALUE, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(0, valid_ref.shape[0] // bk, body, init)
+    first = pl.program_id(1) * bps
+    acc, m, l = jax.lax.fori_loop(first, jnp.minimum(first + bps, blocks), body, init)
     acc_ref[...] = acc
     m_ref[...] = m
     l_ref[...] = l
 
 
-def _plan(s: int, bh: int, block_k: int, target_programs: int) -> tuple[int, int, int]:
-    """(bk, padded S, splits): bk a power of two dividing S when possible (no cache copy)."""
+def _plan(s: int, bh: int, block_k: int, target_programs: int) -> tuple[int, int, int, int]:
+    """(bk, padded S, blocks per split, splits): bk a power of two dividing S when possible (no cache
+    copy); about target_programs programs over the bh heads, whatever the block count's factors."""
     bk = pow2_at_least(block_k)
     while bk > 16 and s % bk:
         bk //= 2
     sp = _common.round_up(s, bk)
     blocks = sp // bk
-    splits = max(1, min(blocks, -(-target_programs // bh)))
-    while blocks % splits:
-        splits -= 1
-    return bk, sp, splits
+    want = max(1, min(blocks, -(-target_programs // bh)))
+    bps = -(-blocks // want)
+    return bk, sp, bps, -(-blocks // bps)
 
 
 def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, valid: jax.Array, *,
@@ -68,24 +70,23 @@ def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, valid
     _, hkv, s, _ = keys.shape
     g = hq // hkv
     gp, dp = pow2_at_least(g), pow2_at_least(d)
-    bk, sp, splits = _plan(s, b * hkv, block_k, target_programs)
-    ssplit = sp // splits
+    bk, sp, bps, splits = _plan(s, b * hkv, block_k, target_programs)
     cdt = jnp.promote_types(query.dtype, keys.dtype)
     q = _common.pad_axis(_common.pad_axis(query.reshape(b * hkv, g, d), 2, dp), 1, gp)
     k = _common.pad_axis(_common.pad_axis(keys.reshape(b * hkv, s, d), 2, dp), 1, sp)
     v = _common.pad_axis(_common.pad_axis(values.reshape(b * hkv, s, d), 2, dp), 1, sp)
     vi = _common.pad_axis(valid.reshape(b * hkv, s).astype(jnp.int32), 1, sp)
     logits, acc, m, l = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, bk=bk, cdt=cdt),
+        functools.partial(_kernel, scale=scale, bk=bk, bps=bps, blocks=sp // bk, cdt=cdt),
         grid=(b * hkv, splits),
         in_specs=[
             pl.BlockSpec((None, gp, dp), lambda i, j: (i, 0, 0)),
-            pl.BlockSpec((None, ssplit, dp), lambda i, j: (i, j, 0)),
-            pl.BlockSpec((None, ssplit, dp), lambda i, j: (i, j, 0)),
-            pl.BlockSpec((None, ssplit), lambda i, j: (i, j)),
+            pl.BlockSpec((None, sp, dp), lambda i, j: (i, 0, 0)),  # each program reads its own range
+            pl.BlockSpec((None, sp, dp), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((None, sp), lambda i, j: (i, 0)),
         ],
         out_specs=[
-            pl.BlockSpec((None, gp, ssplit), lambda i, j: (i, 0, j)),
+            pl.BlockSpec((None, gp, sp), lambda i, j: (i, 0, 0)),  # and writes its range's logits
             pl.BlockSpec((None, None, gp, dp), lambda i, j: (i, j, 0, 0)),
             pl.BlockSpec((None, None, gp), lambda i, j: (i, j, 0)),
             pl.BlockSpec((None, None, gp), lambda i, j: (i, j, 0)),
