@@ -374,9 +374,9 @@ def worker_max_context(sz: dict[str, Any], clock: Clock, emit: Emitter) -> None:
             first_s = time.time() - start
             run_s = None
             if clock.allows(first_s):
-                t0 = time.time()
+                t0 = time.perf_counter()
                 call()
-                run_s = time.time() - t0
+                run_s = time.perf_counter() - t0
         except Exception as err:  # noqa: BLE001
             if not is_oom(err):
                 raise
@@ -392,7 +392,7 @@ def worker_max_context(sz: dict[str, Any], clock: Clock, emit: Emitter) -> None:
         except Exception:  # noqa: BLE001
             peak = None
         emit("row", row=[length, "fits", f"{first_s:.1f}", "-" if run_s is None else f"{run_s:.2f}",
-                         "-" if run_s is None else f"{length / run_s:,.0f}", mib(length * per_token),
+                         f"{length / run_s:,.0f}" if run_s else "-", mib(length * per_token),
                          "-" if peak is None else f"{peak / 2**30:.2f}"])
         fitted, last = length, ((first_s - run_s, run_s) if run_s is not None else (0.0, first_s))
         length *= 2
