@@ -65,6 +65,12 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "kernel_31": ("max pooling over 31 positions", {"lookahead": {"kernel": 31}}, True),
     "tokens_8_kernel_15": ("tokens_8's adapter, pooling over 15", {"lookahead": {"n_tokens": 8, "kernel": 15}},
                            "tokens_8"),
+    "codes_kernel_15": ("data_codes' adapter, pooling over 15",
+                        {"lookahead": {"kernel": 15}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}},
+                        "data_codes"),
+    "tokens_8_codes_kernel_15": ("tokens_8_codes' adapter, pooling over 15",
+                                 {"lookahead": {"n_tokens": 8, "kernel": 15},
+                                  "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "tokens_8_codes"),
 }
 
 
