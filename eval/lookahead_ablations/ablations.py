@@ -137,7 +137,8 @@ def run(names: list[str], runs: pathlib.Path) -> None:
         if not (export / "adapter.safetensors").exists():
             if eval_only:
                 parent = parent_of(name)
-                run([parent], runs)
+                if not (runs / parent / "export" / "adapter.safetensors").exists():  # else its eval may run elsewhere
+                    run([parent], runs)
                 shutil.copytree(runs / parent / "export", export, dirs_exist_ok=True)
                 conf = json.loads((export / "adapter_config.json").read_text())
                 conf["config"].update(over["lookahead"])
