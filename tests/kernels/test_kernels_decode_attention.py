@@ -98,11 +98,13 @@ class TestDecodeAttentionTritonInterpret(DecodeAttentionBase):
     def kernel(self):
         return functools.partial(pallas_gpu.decode_attention, interpret=True)
 
-    def test_uneven_split_ranges(self):
-        # 13 blocks of 64 (a prime count) over 4 programs per head: ranges of 4, 4, 4 and 1 blocks
+    def test_uneven_split_ranges_and_a_partial_last_block(self):
+        # 13 blocks of 64 (a prime count; the last one 37 slots: the cache is not padded) over 4 programs per
+        # head: ranges of 4, 4, 4 and 1 blocks
         rng = np.random.default_rng(3)
-        q, k, v, valid = make_case(rng, 1, 2, 2, 13 * 64, 32, jnp.float32)
-        assert pallas_gpu._plan(13 * 64, 2, 64, 8) == (64, 13 * 64, 4, 4)
+        s = 12 * 64 + 37
+        q, k, v, valid = make_case(rng, 1, 2, 2, s, 32, jnp.float32)
+        assert pallas_gpu._plan(s, 2, 64, 8) == (64, 13, 4, 4)
         out, probs = jax.jit(functools.partial(pallas_gpu.decode_attention, interpret=True, scale=SCALE,
                                                target_programs=8))(q, k, v, valid)
         want_out, want_probs = oracle.decode_attention(as_np(q), as_np(k), as_np(v), valid, SCALE)
@@ -110,14 +112,14 @@ class TestDecodeAttentionTritonInterpret(DecodeAttentionBase):
         assert_close(out, want_out, **OUT_TOL[jnp.float32])
 
 
-def test_gpu_plan_fills_the_gpu_whatever_the_block_count():
+def test_gpu_plan_fills_the_gpu_whatever_the_capacity():
     """A capacity of 16,448 slots (16K kept + 64 decode room: 257 blocks of 64, a prime) once ran as one
-    program per KV head (8 on an H200: decode 2x slower than over the full 32K cache). Every capacity now
-    gets about target_programs programs, and the ranges cover each block exactly once."""
-    for s in (16448, 32832, 8256, 4160, 13 * 64, 100, 1):
-        bk, sp, bps, splits = pallas_gpu._plan(s, 8, 64, 256)
-        blocks = sp // bk
-        assert sp >= s and sp % bk == 0 and (s % bk == 0) == (sp == s)
+    program per KV head (8 on an H200: decode 2x slower than over the full 32K cache), and a capacity that
+    is not a multiple of 16 ran in blocks of 16 over a padded copy of the cache. Every capacity now gets
+    blocks of 64 and about target_programs programs, and the ranges cover each block exactly once."""
+    for s in (16448, 16421, 32832, 8256, 4160, 13 * 64, 100, 17, 1):
+        bk, blocks, bps, splits = pallas_gpu._plan(s, 8, 64, 256)
+        assert bk == min(64, max(16, pallas_gpu.pow2_at_least(s))) and bk * (blocks - 1) < s <= bk * blocks
         assert (splits - 1) * bps < blocks <= splits * bps  # no empty program, every block in one range
         assert 8 * splits >= min(256, 8 * blocks) // 2
 

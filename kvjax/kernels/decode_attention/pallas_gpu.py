@@ -29,14 +29,15 @@ def _kernel(q_ref, k_ref, v_ref, valid_ref, logits_ref, acc_ref, m_ref, l_ref, *
     def body(c, carry):
         acc, m, l = carry
         sl = pl.ds(c * bk, bk)
-        vm = valid_ref[sl] > 0
-        s = jnp.dot(q, k_ref[sl, :].astype(cdt).T, precision=precision, preferred_element_type=jnp.float32) * scale
+        vm = valid_ref[sl] > 0  # valid is padded to whole blocks; keys and values are not (masked loads)
+        k = _compat.pltriton.load(k_ref.at[sl, :], mask=vm[:, None], other=0)
+        s = jnp.dot(q, k.astype(cdt).T, precision=precision, preferred_element_type=jnp.float32) * scale
         s = jnp.where(vm[None, :], s, _common.MASK_VALUE)
         logits_ref[:, sl] = s
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.where(vm[None, :], jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        v = jnp.where(vm[:, None], v_ref[sl, :], 0).astype(cdt)
+        v = _compat.pltriton.load(v_ref.at[sl, :], mask=vm[:, None], other=0).astype(cdt)
         acc = acc * alpha[:, None] + jnp.dot(p.astype(cdt), v, precision=precision, preferred_element_type=jnp.float32)
         return acc, m_new, l * alpha + jnp.sum(p, axis=1)
 
@@ -50,16 +51,15 @@ def _kernel(q_ref, k_ref, v_ref, valid_ref, logits_ref, acc_ref, m_ref, l_ref, *
 
 
 def _plan(s: int, bh: int, block_k: int, target_programs: int) -> tuple[int, int, int, int]:
-    """(bk, padded S, blocks per split, splits): bk a power of two dividing S when possible (no cache
-    copy); about target_programs programs over the bh heads, whatever the block count's factors."""
+    """(bk, blocks, blocks per split, splits): blocks of bk slots cover S (the last one masked: the cache is
+    never copied to a multiple of bk), split into about target_programs programs over the bh heads."""
     bk = pow2_at_least(block_k)
-    while bk > 16 and s % bk:
+    while bk > 16 and bk // 2 >= s:
         bk //= 2
-    sp = _common.round_up(s, bk)
-    blocks = sp // bk
-    want = max(1, min(blocks, -(-target_programs // bh)))
-    bps = -(-blocks // want)
-    return bk, sp, bps, -(-blocks // bps)
+    blocks = pl.cdiv(s, bk)
+    want = max(1, min(blocks, pl.cdiv(target_programs, bh)))
+    bps = pl.cdiv(blocks, want)
+    return bk, blocks, bps, pl.cdiv(blocks, bps)
 
 
 def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, valid: jax.Array, *,
@@ -70,19 +70,20 @@ def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, valid
     _, hkv, s, _ = keys.shape
     g = hq // hkv
     gp, dp = pow2_at_least(g), pow2_at_least(d)
-    bk, sp, bps, splits = _plan(s, b * hkv, block_k, target_programs)
+    bk, blocks, bps, splits = _plan(s, b * hkv, block_k, target_programs)
+    sp = blocks * bk
     cdt = jnp.promote_types(query.dtype, keys.dtype)
     q = _common.pad_axis(_common.pad_axis(query.reshape(b * hkv, g, d), 2, dp), 1, gp)
-    k = _common.pad_axis(_common.pad_axis(keys.reshape(b * hkv, s, d), 2, dp), 1, sp)
-    v = _common.pad_axis(_common.pad_axis(values.reshape(b * hkv, s, d), 2, dp), 1, sp)
+    k = _common.pad_axis(keys.reshape(b * hkv, s, d), 2, dp)
+    v = _common.pad_axis(values.reshape(b * hkv, s, d), 2, dp)
     vi = _common.pad_axis(valid.reshape(b * hkv, s).astype(jnp.int32), 1, sp)
     logits, acc, m, l = pl.pallas_call(
-        functools.partial(_kernel, scale=scale, bk=bk, bps=bps, blocks=sp // bk, cdt=cdt),
+        functools.partial(_kernel, scale=scale, bk=bk, bps=bps, blocks=blocks, cdt=cdt),
         grid=(b * hkv, splits),
         in_specs=[
             pl.BlockSpec((None, gp, dp), lambda i, j: (i, 0, 0)),
-            pl.BlockSpec((None, sp, dp), lambda i, j: (i, 0, 0)),  # each program reads its own range
-            pl.BlockSpec((None, sp, dp), lambda i, j: (i, 0, 0)),
+            pl.BlockSpec((None, s, dp), lambda i, j: (i, 0, 0)),  # each program reads its own range
+            pl.BlockSpec((None, s, dp), lambda i, j: (i, 0, 0)),
             pl.BlockSpec((None, sp), lambda i, j: (i, 0)),
         ],
         out_specs=[
