@@ -96,12 +96,12 @@ def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, valid
     b, hq, d = query.shape
     _, hkv, s, _ = keys.shape
     g = hq // hkv
-    sp = _common.round_up(s, LANES)
-    bk = _common.pick_block(sp, block_k, LANES)
-    keys = _common.pad_axis(keys, 2, sp)
-    values = _common.pad_axis(values, 2, sp)
+    # Blocks of block_k slots whatever S: the last one may overhang the cache (Pallas pads its read with
+    # unspecified values, masked here by `valid`), so keys and values are never copied to a padded length.
+    bk = min(_common.round_up(block_k, LANES), _common.round_up(s, LANES))
+    nk = pl.cdiv(s, bk)
+    sp = nk * bk
     valid_i32 = _common.pad_axis(valid.astype(jnp.int32), 2, sp)
-    nk = sp // bk
     src, has = _fetch_plan(valid_i32, bk)
     cdt = jnp.promote_types(query.dtype, keys.dtype)
     # The group is below a sublane tile (e.g. 4 < 8); pad the query rows to a full tile.
