@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -46,16 +47,18 @@ DEFAULTS: dict[str, Any] = {
     "niah_haystack": "essay",
     "fidelity_tokens": 32,
     "lookahead": None,
+    "lookahead_options": {},
     "prefill_chunk": None,
     "cache_layout": "dense",
     "kv_quant": ["none"],
 }
 # Settings that change what a sample or its answer is: a rerun into the same folder must keep them.
 RUN_IDENTITY = ("model", "context_length", "seed", "query_aware", "max_new_tokens", "data", "words",
-                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens", "lookahead", "prefill_chunk",
-                "cache_layout")
+                "niah_lengths", "niah_depths", "niah_haystack", "fidelity_tokens", "lookahead", "lookahead_options",
+                "prefill_chunk", "cache_layout")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOOKAHEAD_PRESETS = frozenset(lookahead_presets())  # they run a LookaheadKV adapter (--lookahead)
+LOOKAHEAD_OPTIONS = ("kernel", "pooling", "gqa_reduce", "protect_last")  # read at inference, not trained
 KV_QUANT_PRESETS = tuple(_KV_QUANT)  # the names --kv-quant accepts, beside "none"
 
 EPILOG = """\
@@ -151,6 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--lookahead", metavar="PATH", help="LookaheadKV adapter folder for lookahead_kv and its compositions "
                                           "(ada_, layer_, cake_, critical_lookahead_kv; default: the bundled "
                                           "model's, kvjax/assets/lookahead; without one, 'all' leaves them out)")
+    a("--lookahead-option", action="append", metavar="NAME=VALUE",
+      help="override an inference-time field of the adapter's config, repeatable: "
+           f"{', '.join(LOOKAHEAD_OPTIONS)} (e.g. kernel=15: max pooling over 15 positions; pooling=none)")
     a("--prefill-chunk", type=int, metavar="N",
       help="prefill each context N tokens at a time, evicting down to the budget after every chunk (README, "
            "'Chunked prefill'); policies without chunked prefill are skipped; the full cache stays one-shot "
@@ -230,6 +236,7 @@ def resolve(args: argparse.Namespace, parser: argparse.ArgumentParser,
         "niah_lengths": _ints(args.niah_lengths, "--niah-lengths", parser),
         "niah_depths": _floats(args.niah_depths, "--niah-depths", parser),
         "niah_haystack": args.niah_haystack, "fidelity_tokens": args.fidelity_tokens, "lookahead": args.lookahead,
+        "lookahead_options": _lookahead_options(getattr(args, "lookahead_option", None), parser),
         "prefill_chunk": getattr(args, "prefill_chunk", None), "cache_layout": getattr(args, "cache_layout", None),
         "kv_quant": _csv(getattr(args, "kv_quant", None)),
     }
@@ -319,17 +326,41 @@ def check_kv_quant(value: Any, parser: argparse.ArgumentParser) -> list[str]:
     return list(dict.fromkeys(names))
 
 
+def _lookahead_options(items: list[str] | None, parser: argparse.ArgumentParser) -> dict[str, Any] | None:
+    """--lookahead-option NAME=VALUE items -> {name: value}, checked against `LookaheadConfig`."""
+    if not items:
+        return None
+    from kvjax.lookahead import LookaheadConfig
+
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in LOOKAHEAD_OPTIONS:
+            parser.error(f"--lookahead-option {item!r}: expected NAME=VALUE with NAME one of {LOOKAHEAD_OPTIONS}")
+        out[name] = int(value) if name in ("kernel", "protect_last") and value.lstrip("-").isdigit() else \
+            None if value == "none" else value
+    try:
+        LookaheadConfig(**out)
+    except (TypeError, ValueError) as err:
+        parser.error(f"--lookahead-option: {err}")
+    return out
+
+
 def _lookahead_adapter(cfg: dict[str, Any], required: bool = False) -> Any:
-    """The adapter `lookahead_kv` and its compositions run with (--lookahead, else the bundled one), or None
-    if there is none."""
+    """The adapter `lookahead_kv` and its compositions run with (--lookahead, else the bundled one), its
+    inference-time fields replaced by cfg["lookahead_options"]; None if there is none."""
     from kvjax.lookahead import load
 
     try:
-        return load(cfg["lookahead"] or "bundled")
+        adapter = load(cfg["lookahead"] or "bundled")
     except (FileNotFoundError, ValueError):
         if required or cfg["lookahead"]:
             raise
         return None
+    options = dict(cfg.get("lookahead_options") or {})
+    if bad := sorted(set(options) - set(LOOKAHEAD_OPTIONS)):
+        raise ValueError(f"lookahead_options: {bad} cannot change after training; accepted: {LOOKAHEAD_OPTIONS}")
+    return adapter.replace(config=dataclasses.replace(adapter.config, **options)) if options else adapter
 
 
 def _check_identity(out: pathlib.Path, cfg: dict[str, Any], parser: argparse.ArgumentParser) -> None:

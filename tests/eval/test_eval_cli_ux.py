@@ -6,6 +6,7 @@ import shlex
 import subprocess
 import sys
 
+import jax
 import pytest
 
 import kvjax.eval.engine
@@ -91,3 +92,37 @@ def test_what_a_score_is_is_said_in_help_table_and_results_md(tok, tmp_path, cap
     md = (tmp_path / "results.md").read_text()
     for line in SCORE_NOTE:
         assert line in printed and line in md
+
+
+def test_lookahead_options_change_the_adapters_inference_fields_only(tok, tmp_path, capsys):
+    """--lookahead-option kernel=15 runs the same adapter weights with max pooling over 15 positions; the
+    options are part of the run's identity, and names fixed at training are refused."""
+    import numpy as np
+
+    from kvjax.lookahead import load
+
+    seen = []
+
+    def fake(samples, *, policy, compression_ratio, budget, query_aware):
+        if policy is not None and not isinstance(policy, str):
+            seen.append(policy.adapter)
+        return ["?" for _ in samples]
+
+    argv = ["--tasks", "vt", "--num-samples", "1", "--compression-ratios", "0.5", "--out", str(tmp_path),
+            "--no-progress", "--policies", "lookahead_kv"]
+    assert main(argv + ["--lookahead-option", "kernel=15", "--lookahead-option", "gqa_reduce=max"],
+                generate_fn=fake, tokenizer=tok) == 0
+    bundled = load("bundled")
+    (adapter,) = seen
+    assert (adapter.config.kernel, adapter.config.gqa_reduce) == (15, "max") and bundled.config.kernel == 7
+    assert adapter.config.n_tokens == bundled.config.n_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(adapter.params), jax.tree.leaves(bundled.params)))
+    assert json.loads((tmp_path / "run_config.json").read_text())["lookahead_options"] == {"kernel": 15,
+                                                                                         "gqa_reduce": "max"}
+    with pytest.raises(SystemExit):  # another kernel into the same folder: other results under the same name
+        main(argv + ["--lookahead-option", "kernel=7"], generate_fn=fake, tokenizer=tok)
+    assert "lookahead_options" in capsys.readouterr().err
+    for bad, says in (("n_tokens=8", "NAME one of"), ("kernel=8", "must be odd"), ("kernel", "NAME=VALUE")):
+        with pytest.raises(SystemExit):
+            main(argv + ["--lookahead-option", bad], generate_fn=fake, tokenizer=tok)
+        assert says in capsys.readouterr().err
