@@ -26,6 +26,7 @@ import numpy as np
 from kvjax.data import generate, resolve_tasks
 from kvjax.data.base import encode
 from kvjax.data.prompts import build_prompt
+from kvjax.lookahead import PROMPT_CACHE_GLOBAL, PROMPT_CACHE_LOCAL
 
 from train_lookahead.config import DataSection, SourceSection
 
@@ -37,7 +38,7 @@ MAX_PER_SEED = 10**6  # synthetic samples per task and source seed (seeds of dif
 PROMPT_FIELDS = ("prompt", "messages", "tokens")
 # the axis of each training batch array that holds its rows (split over the "data" mesh axis by
 # kvjax.training's loop): target is [L, B, Hq, T], every other array [B, ...]
-ROW_AXES = {"target": 1}
+ROW_AXES = {"target": 1, **{k: 1 for k in PROMPT_CACHE_GLOBAL + PROMPT_CACHE_LOCAL}}
 
 
 def synthetic_seed(source_seed: int, k: int) -> int:
@@ -209,7 +210,8 @@ def to_example(record: dict[str, np.ndarray], max_prompt_tokens: int,
                max_response_tokens: int | None = None) -> dict[str, np.ndarray]:
     """One target record -> fixed-shape arrays: tokens [T] (pad 0), positions [T] (-1 = pad), and
     target [L, Hq, T] float32 (0 on padding), or for an on-the-fly record response [Y] (pad 0) and
-    response_positions [Y] (continuing the prompt's positions; -1 = pad)."""
+    response_positions [Y] (continuing the prompt's positions; -1 = pad); a stored prompt cache's arrays
+    pass through, prompt_k / prompt_v padded to [L, Hkv, T, D] with empty slots."""
     n = len(record["tokens"])
     if n > max_prompt_tokens:
         raise ValueError(f"a target record has {n} prompt tokens > data.max_prompt_tokens={max_prompt_tokens}; "
@@ -222,6 +224,12 @@ def to_example(record: dict[str, np.ndarray], max_prompt_tokens: int,
         target = np.zeros(record["target"].shape[:2] + (max_prompt_tokens,), np.float32)
         target[..., :n] = record["target"][..., :n]
         out["target"] = target
+        for k in PROMPT_CACHE_GLOBAL:  # a stored prompt cache [L, Hkv, n, D]: slots past the prompt are empty
+            if k in record:
+                a = record[k]
+                out[k] = np.zeros(a.shape[:2] + (max_prompt_tokens,) + a.shape[3:], a.dtype)
+                out[k][:, :, :n] = a[:, :, :n]
+        out.update({k: np.asarray(record[k]) for k in PROMPT_CACHE_LOCAL if k in record})
     else:
         m, Y = len(record["response"]), max_response_tokens
         if Y is None or m > Y:
@@ -233,10 +241,9 @@ def to_example(record: dict[str, np.ndarray], max_prompt_tokens: int,
 
 
 def _layers_first(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """target [B, L, Hq, T] -> [L, B, Hq, T], the layout of kvjax.lookahead.loss_fn."""
-    if "target" not in batch:
-        return batch
-    return {**batch, "target": np.ascontiguousarray(batch["target"].transpose(1, 0, 2, 3))}
+    """target [B, L, Hq, T] -> [L, B, Hq, T], and a stored prompt cache's arrays [B, L, ...] -> [L, B, ...]:
+    the layout of kvjax.lookahead.loss_fn."""
+    return {k: np.ascontiguousarray(np.swapaxes(a, 0, 1)) if k in ROW_AXES else a for k, a in batch.items()}
 
 
 def train_dataset(records: Any, *, batch_size: int, seed: int, max_prompt_tokens: int,

@@ -9,7 +9,10 @@ cache is prefilled once; the response runs against it as a continuation in chunk
 
 A chunk folder holds tokens [n, Tc] int32 (right-padded with 0), lengths [n], target
 [n, L, Hq, Tc] (L = the model's global layers; zero past each row's length), response [n, Y] and
-response_lengths [n], ids.json.
+response_lengths [n], ids.json; with `targets.prompt_cache` also the frozen prefill's cache per prompt
+(`kvjax.lookahead.split_prompt_cache`, the batch axis first): prompt_k, prompt_v [n, L, Hkv, Tc, D] in the
+model's dtype (and a sliding-window model's rolling buffers, prompt_local_*), so that training need not
+prefill the prompts again.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 import kvjax
-from kvjax.lookahead import prompt_cache, response_attention
+from kvjax.lookahead import PROMPT_CACHE_GLOBAL, PROMPT_CACHE_LOCAL, prompt_cache, response_attention, split_prompt_cache
 from kvjax.models.config import ModelConfig
 
 from train_lookahead.config import DataSection, TargetsSection
@@ -38,23 +41,26 @@ from train_lookahead.data import encode_record, prompt_source
 MANIFEST = "manifest.json"
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
+@functools.partial(jax.jit, static_argnames=("cfg", "with_cache"))
 def _targets(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array, response: jax.Array,
-             response_positions: jax.Array) -> jax.Array:
+             response_positions: jax.Array, with_cache: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
     """s_GT [L, B, Hq, T] (L = cfg.num_global_layers) for prompts tokens/positions [B, T] and responses
-    [B, Y] (-1 = pad)."""
+    [B, Y] (-1 = pad), and with `with_cache` the prompt cache's arrays (`split_prompt_cache`; else {})."""
     B, T = tokens.shape
-    return response_attention(params, cfg, prompt_cache(params, cfg, tokens, positions), response,
-                              response_positions)[..., :T]
+    cache = prompt_cache(params, cfg, tokens, positions)
+    target = response_attention(params, cfg, cache, response, response_positions)[..., :T]
+    return target, (split_prompt_cache(cache) if with_cache else {})
 
 
 def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_tokens: int,
-                  max_response_tokens: int, batch_size: int, attention: bool = True) -> dict[str, np.ndarray]:
+                  max_response_tokens: int, batch_size: int, attention: bool = True,
+                  with_cache: bool = False) -> dict[str, np.ndarray]:
     """Responses and s_GT for up to `batch_size` prompts (each at most `max_prompt_tokens` tokens).
 
     Rows are padded to `batch_size` with copies of the first prompt so every chunk has one shape.
     Returns tokens [n, Tc], lengths [n], target [n, L, Hq, Tc] float32 (only with `attention`),
-    response [n, Y], response_lengths [n].
+    response [n, Y], response_lengths [n], and with `with_cache` (needs `attention`) the prompt cache's
+    arrays, rows first: prompt_k, prompt_v [n, L, Hkv, Tc, D] (prompt_local_* [n, Ll, Hkv, W, ...]).
     """
     n = len(prompts)
     rows = prompts + [prompts[0]] * (batch_size - n)
@@ -77,11 +83,13 @@ def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_to
                   "response_lengths": out.lengths[:n].astype(np.int32)}
     if not attention:
         return out_arrays
-    target = np.asarray(jax.device_get(_targets(model.params, model.config, tokens, positions, response,
-                                                response_positions)))  # [L, B, Hq, T]
-    target = target.transpose(1, 0, 2, 3)[:n, ..., :Tc]
+    target, cache = jax.device_get(_targets(model.params, model.config, tokens, positions, response,
+                                            response_positions, with_cache=with_cache))  # [L, B, Hq, T]
+    target = np.asarray(target).transpose(1, 0, 2, 3)[:n, ..., :Tc]
     target = np.where(np.arange(Tc) < lengths[:n, None, None, None], target, 0.0).astype(np.float32)
-    return {**out_arrays, "target": target}
+    rows = {name: np.swapaxes(np.asarray(a), 0, 1)[:n] for name, a in cache.items()}
+    rows.update({name: rows[name][:, :, :, :Tc] for name in PROMPT_CACHE_GLOBAL if name in rows})
+    return {**out_arrays, "target": target, **rows}
 
 
 def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSection, workdir: str | os.PathLike, *,
@@ -93,6 +101,8 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
                 "batch_size": targets.batch_size, "mode": targets.mode,
                 "sources": [dataclass_dict(s) for s in data.sources], "chat_template": data.chat_template,
                 "model": model_info(model.config)}
+    if targets.prompt_cache:  # named only when on, so that folders written before it existed still resume
+        settings["prompt_cache"] = True
     _check_settings(folder, settings)
     if (folder / MANIFEST).exists():
         return folder
@@ -119,7 +129,7 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
         _write_chunk(folder / f"chunk_{i:05d}", ids, prompts and chunk_targets(
             model, prompts, max_prompt_tokens=data.max_prompt_tokens,
             max_response_tokens=targets.max_response_tokens, batch_size=targets.batch_size,
-            attention=targets.mode == "stored"), targets.dtype)
+            attention=targets.mode == "stored", with_cache=targets.prompt_cache), targets.dtype)
     multihost_utils.sync_global_devices("train_lookahead: targets written")
     counts = [_count(folder / f"chunk_{i:05d}") for i in range(n_chunks)]
     skipped = len(source) - sum(counts)
@@ -172,7 +182,8 @@ def model_info(cfg: ModelConfig) -> dict[str, int]:
 
 class TargetRecords:
     """The finished targets folder as a grain random-access source of {"tokens" [T_i], and
-    "target" [L, Hq, T_i] (mode "stored") or "response" [Y_i] (mode "on_the_fly")}."""
+    "target" [L, Hq, T_i] (mode "stored") or "response" [Y_i] (mode "on_the_fly")}, plus with a stored
+    prompt cache its arrays: prompt_k, prompt_v [L, Hkv, T_i, D] (and prompt_local_* [Ll, Hkv, W, ...])."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = pathlib.Path(folder)
@@ -183,6 +194,7 @@ class TargetRecords:
         self.chunks = [i for i, n in enumerate(self.manifest["chunks"]) if n]
         self.offsets = np.cumsum([0] + [self.manifest["chunks"][i] for i in self.chunks]).tolist()
         self.stored = self.manifest["mode"] == "stored"
+        self.prompt_cache = bool(self.manifest.get("prompt_cache"))
         self._open: dict[int, dict[str, np.ndarray]] = {}
 
     def __len__(self) -> int:
@@ -192,6 +204,8 @@ class TargetRecords:
         if chunk not in self._open:
             d = self.folder / f"chunk_{chunk:05d}"
             names = ("tokens", "lengths") + (("target",) if self.stored else ("response", "response_lengths"))
+            if self.prompt_cache:
+                names += PROMPT_CACHE_GLOBAL + tuple(n for n in PROMPT_CACHE_LOCAL if (d / f"{n}.npy").exists())
             self._open[chunk] = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in names}
         return self._open[chunk]
 
@@ -203,6 +217,9 @@ class TargetRecords:
         j = i - self.offsets[k]
         n = int(a["lengths"][j])
         if self.stored:
-            return {"tokens": np.asarray(a["tokens"][j, :n]), "target": np.asarray(a["target"][j, ..., :n], np.float32)}
+            cache = {k: np.asarray(a[k][j, :, :, :n] if k in PROMPT_CACHE_GLOBAL else a[k][j])
+                     for k in a if k.startswith("prompt_")}
+            return {"tokens": np.asarray(a["tokens"][j, :n]), "target": np.asarray(a["target"][j, ..., :n], np.float32),
+                    **cache}
         m = int(a["response_lengths"][j])
         return {"tokens": np.asarray(a["tokens"][j, :n]), "response": np.asarray(a["response"][j, :m])}

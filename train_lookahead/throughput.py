@@ -1,7 +1,7 @@
 """Training throughput of a LookaheadKV recipe on this machine: target records and train steps per second.
 
     python -m train_lookahead.throughput --config configs/lookahead_smollm2_ood.yaml [--chunks 2] [--steps 6] \\
-        [--workdir DIR] [--out FILE.md]
+        [--prompt-cache config|on|off|both] [--workdir DIR] [--out FILE.md]
 
 Runs the recipe's own pipeline on a slice of its first data source, in a temporary workdir (nothing is
 exported to the config's run): the targets stage once on one chunk of `targets.batch_size` prompts (its
@@ -9,7 +9,8 @@ programs compile) and again on `--chunks` chunks with the programs compiled, the
 (the first compiles; checkpoints only at the end, after the timed steps). Reports seconds per target
 chunk and prompts per second, the first step and the median of the other steps, steps and examples per
 second, the device and the config's sizes. The numbers are the machine's at the config's shapes: on a
-shared machine they are an upper bound of the time.
+shared machine they are an upper bound of the time. `--prompt-cache both` measures the recipe without and
+with `targets.prompt_cache` one after the other in the same process (a row each, and their ratio).
 """
 
 from __future__ import annotations
@@ -67,25 +68,37 @@ def measure(cfg: RunConfig, workdir: str | pathlib.Path, *, chunks: int = 2, ste
         "model": str(cfg.model.path), "max_prompt_tokens": cfg.data.max_prompt_tokens,
         "max_response_tokens": cfg.targets.max_response_tokens, "lookahead_tokens": cfg.lookahead.n_tokens,
         "targets_batch": per_chunk, "train_batch": cfg.train.batch_size, "targets_mode": cfg.targets.mode,
+        "prompt_cache": cfg.targets.prompt_cache,
         "first_chunk_s": first_chunk, "chunk_s": chunk_s, "prompts_per_s": per_chunk / chunk_s,
         "chunks": chunks, "first_step_s": step_s[0], "step_s": median, "steps_per_s": 1.0 / median,
         "examples_per_s": cfg.train.batch_size / median, "timed_steps": len(warm),
     }
 
 
-def report(m: dict[str, Any], config: str, note: str = "") -> str:
-    """Markdown of `measure`'s numbers."""
+def report(runs: Sequence[dict[str, Any]], config: str, note: str = "") -> str:
+    """Markdown of `measure`'s numbers: one pair of rows (targets, train) per run, and with two runs that
+    differ in `targets.prompt_cache` the ratio of their steady train steps."""
+    m = runs[0]
     lines = [f"# LookaheadKV training throughput: `{config}`", "",
              f"- device: {m['device']}; jax {jax.__version__}" + (f"; {note}" if note else ""),
              f"- model {m['model']}; prompts padded to {m['max_prompt_tokens']} tokens, responses up to "
              f"{m['max_response_tokens']}, {m['lookahead_tokens']} lookahead tokens; targets mode {m['targets_mode']}",
-             "", "| stage | first (compile + run) s | steady s | rate |", "|---|---:|---:|---|",
-             f"| targets: one chunk of {m['targets_batch']} prompts | {m['first_chunk_s']:.1f} | {m['chunk_s']:.1f} "
-             f"(mean of {m['chunks']}) | {m['prompts_per_s']:.3f} prompts/s |",
-             f"| train: one step of {m['train_batch']} examples (first: the frozen model reloaded, the step compiled) | {m['first_step_s']:.1f} | {m['step_s']:.1f} "
-             f"(median of {m['timed_steps']}) | {m['steps_per_s']:.4f} steps/s, {m['examples_per_s']:.3f} examples/s |",
-             ""]
-    return "\n".join(lines)
+             "", "| prompt cache | stage | first (compile + run) s | steady s | rate |", "|---|---|---:|---:|---|"]
+    for m in runs:
+        cache = "stored" if m.get("prompt_cache") else "prefilled each step"
+        lines += [
+            f"| {cache} | targets: one chunk of {m['targets_batch']} prompts | {m['first_chunk_s']:.1f} | "
+            f"{m['chunk_s']:.1f} (mean of {m['chunks']}) | {m['prompts_per_s']:.3f} prompts/s |",
+            f"| {cache} | train: one step of {m['train_batch']} examples (first: the frozen model reloaded, the step "
+            f"compiled) | {m['first_step_s']:.1f} | {m['step_s']:.2f} (median of {m['timed_steps']}) | "
+            f"{m['steps_per_s']:.4f} steps/s, {m['examples_per_s']:.3f} examples/s |"]
+    by_cache = {bool(m.get("prompt_cache")): m for m in runs}
+    if len(by_cache) == 2:
+        lines += ["", f"A train step with the stored prompt cache takes {by_cache[True]['step_s']:.2f} s against "
+                  f"{by_cache[False]['step_s']:.2f} s prefilling: **{by_cache[False]['step_s'] / by_cache[True]['step_s']:.1f}x** "
+                  f"faster; its target chunks {by_cache[True]['chunk_s'] / by_cache[False]['chunk_s']:.2f}x the time "
+                  "(the cache is written to disk too)."]
+    return "\n".join(lines + [""])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -93,20 +106,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="a YAML run config (configs/lookahead_*.yaml)")
     p.add_argument("--chunks", type=int, default=2, help="target chunks timed after the compile chunk")
     p.add_argument("--steps", type=int, default=6, help="train steps (the first compiles)")
+    p.add_argument("--prompt-cache", choices=("config", "on", "off", "both"), default="config",
+                   help="targets.prompt_cache as the config says, on, off, or both one after the other")
     p.add_argument("--workdir", help="folder for the slice's targets and checkpoints (default: a temporary one)")
     p.add_argument("--note", default="", help="a line for the report's header (e.g. the machine's load)")
     p.add_argument("--out", help="also write the Markdown report here (and its numbers beside it as .json)")
     args = p.parse_args(argv)
     cfg = RunConfig.from_yaml(args.config)
+    settings = {"config": [cfg.targets.prompt_cache], "on": [True], "off": [False], "both": [False, True]}
+    runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        m = measure(cfg, args.workdir or tmp, chunks=args.chunks, steps=args.steps)
-    text = report(m, args.config, args.note)
+        for on in settings[args.prompt_cache]:
+            c = dataclasses.replace(cfg, targets=dataclasses.replace(cfg.targets, prompt_cache=on))
+            runs.append(measure(c, pathlib.Path(args.workdir or tmp) / ("cache" if on else "prefill"),
+                                chunks=args.chunks, steps=args.steps))
+    text = report(runs, args.config, args.note)
     print(text)
     if args.out:
         out = pathlib.Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text, encoding="utf-8")
-        out.with_suffix(".json").write_text(json.dumps({"config": args.config, **m}, indent=1) + "\n")
+        numbers = {"config": args.config, **runs[0]} if len(runs) == 1 else {"config": args.config, "runs": runs}
+        out.with_suffix(".json").write_text(json.dumps(numbers, indent=1) + "\n")
     return 0
 
 

@@ -38,6 +38,10 @@ FULL_ROWS = ROOT / "eval" / "smollm2_ruler_2k" / "agnostic" / "results.jsonl"
 EVAL = ["--config", "configs/eval_smollm2_ruler_2k.yaml", "--policies", "lookahead_kv", "--compression-ratios",
         "0.5", "0.75", "--num-samples", "4", "--batch-size", "4", "--no-progress"]
 SHARED = ("model", "data", "targets")  # sections that make the targets
+# how every variant trains, not what: the targets stage stores each prompt's frozen KV cache and the train steps
+# read it instead of prefilling again (the same loss, tests/lookahead_train/test_targets.py; from 2026-11-27 on,
+# variants trained before it prefilled at every step, their train seconds say so)
+ENGINEERING = {"targets": {"prompt_cache": True}}
 
 # name: (what changes, overrides of the base config as {section: {key: value}}, eval_only). eval_only: False (trained),
 # True (the base's adapter with inference-time fields changed) or the name of the trained variant whose adapter it
@@ -89,7 +93,7 @@ def _merge(base: dict, over: dict) -> dict:
 def variant_config(name: str) -> dict:
     """The run config (a YAML mapping) of variant `name`."""
     _, over, _ = VARIANTS[name]
-    return _merge(yaml.safe_load(BASE.read_text()), over)
+    return _merge(_merge(yaml.safe_load(BASE.read_text()), ENGINEERING), over)
 
 
 def parent_of(name: str) -> str:
@@ -155,6 +159,7 @@ def run(names: list[str], runs: pathlib.Path) -> None:
                     times["targets"] = f"shared with {owner}"
                 times["train_seconds"] = round(_sh([sys.executable, "-m", "train_lookahead", "--config",
                                                     str(cfg_path), "--workdir", str(work), "--no-progress"], log))
+                times["prompt_cache"] = bool(cfg["targets"].get("prompt_cache"))
         for f in CARD_FILES:
             if (export / f).exists():
                 shutil.copy2(export / f, card / f)
@@ -186,7 +191,9 @@ def table() -> str:
              "suite plus numbered records ending in codes); scored on RULER 2K question-agnostic, the 11 offline "
              "tasks x 4 samples, lookahead_kv at r = 0.5 / 0.75; diff = the variant minus the base on the same "
              "samples, ± its standard error stratified by task. Train = wall seconds of `python -m train_lookahead` "
-             "on the 2-core CPU shared with other jobs (targets shared where said); eval-only variants reuse the "
+             "on the 2-core CPU shared with other jobs (targets shared where said; \"stored prompt cache\": the train steps "
+             "read the frozen prefill's cache written with the targets instead of prefilling each step, the same loss); "
+             "eval-only variants reuse the "
              "named adapter (the base's unless said) with inference-time fields changed.", "",
              "| variant | what changes | train s | r=0.5 | r=0.75 | diff r=0.5 | diff r=0.75 | samples |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -197,8 +204,10 @@ def table() -> str:
         times = json.loads(times_path.read_text()) if times_path.exists() else {}
         train = ("eval only" + ("" if parent_of(name) == "base" else f" ({parent_of(name)}'s adapter)") if eval_only
                  else str(times.get("train_seconds", "")))
+        notes = ["stored prompt cache"] if times.get("prompt_cache") else []
         if str(times.get("targets", "")).startswith("shared with "):
-            train += f" (+ {times['targets'][len('shared with '):]}'s targets)"
+            notes.append(f"+ {times['targets'][len('shared with '):]}'s targets")
+        train += f" ({'; '.join(notes)})" if notes else ""
         cells, diffs, counts = [], [], []
         for setting in ("r=0.5", "r=0.75"):
             got = s.get(setting, {})

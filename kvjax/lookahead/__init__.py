@@ -2,7 +2,7 @@
 
 - `LookaheadConfig`; `Adapter` (params pytree + config + model dimensions); `init_adapter`,
   `save`, `load` (safetensors + JSON; "bundled" is the bundled model's adapter).
-- `prompt_cache` (the frozen prompt prefill), `predicted_attention` (s̃), `response_attention` (s_GT),
+- `prompt_cache` (the frozen prompt prefill; `split_prompt_cache` / `join_prompt_cache` store and rebuild it), `predicted_attention` (s̃), `response_attention` (s_GT),
   `kl_loss`, `topk_loss`, `objective`, `loss_fn`: the training math (train_lookahead is the pipeline around it).
 
 The model knows nothing of these modules beyond the row-masked adapter hook of `extend`.
@@ -11,12 +11,16 @@ The model knows nothing of these modules beyond the row-masked adapter hook of `
 from kvjax.lookahead.adapter import BUNDLED, Adapter, ModelInfo, init_adapter, load, save
 from kvjax.lookahead.attention import (
     adapter_hook,
+    PROMPT_CACHE_GLOBAL,
+    PROMPT_CACHE_LOCAL,
     check_positions,
+    join_prompt_cache,
     lookahead_mass,
     lookahead_observations,
     predicted_attention,
     prompt_cache,
     response_attention,
+    split_prompt_cache,
 )
 from kvjax.lookahead.config import PROJECTIONS, LookaheadConfig
 from kvjax.lookahead.loss import LOSSES, kl_loss, loss_fn, objective, topk_loss
@@ -25,12 +29,15 @@ __all__ = [
     "BUNDLED",
     "LOSSES",
     "PROJECTIONS",
+    "PROMPT_CACHE_GLOBAL",
+    "PROMPT_CACHE_LOCAL",
     "Adapter",
     "LookaheadConfig",
     "ModelInfo",
     "adapter_hook",
     "check_positions",
     "init_adapter",
+    "join_prompt_cache",
     "kl_loss",
     "load",
     "lookahead_mass",
@@ -41,5 +48,6 @@ __all__ = [
     "prompt_cache",
     "response_attention",
     "save",
+    "split_prompt_cache",
     "topk_loss",
 ]

@@ -46,6 +46,39 @@ def prompt_cache(model_params: dict[str, Any], model_cfg: ModelConfig, tokens: j
     return cache
 
 
+# the arrays that store a prompt cache (`split_prompt_cache`), each with the batch on axis 1; the global
+# layers' (prompt_k, prompt_v) have slot i = token i on axis 3, the rolling buffers' a fixed window
+PROMPT_CACHE_GLOBAL = ("prompt_k", "prompt_v")
+PROMPT_CACHE_LOCAL = ("prompt_local_k", "prompt_local_v", "prompt_local_pos", "prompt_local_valid")
+
+
+def split_prompt_cache(cache: KVCache) -> dict[str, jax.Array]:
+    """`prompt_cache`'s result as the arrays that rebuild it (`join_prompt_cache`): prompt_k, prompt_v
+    [L,B,Hkv,T,D], and for a model with sliding-window layers their rolling buffers prompt_local_k,
+    prompt_local_v [Ll,B,Hkv,W,D], prompt_local_pos, prompt_local_valid [Ll,B,Hkv,W]. The global layers'
+    pos and valid are not stored: slot i holds token i, so the prompts' positions give them."""
+    out = {"prompt_k": cache.k, "prompt_v": cache.v}
+    if cache.local is not None:
+        out.update(prompt_local_k=cache.local.k, prompt_local_v=cache.local.v, prompt_local_pos=cache.local.pos,
+                   prompt_local_valid=cache.local.valid)
+    return out
+
+
+def join_prompt_cache(arrays: dict[str, jax.Array], positions: jax.Array) -> KVCache:
+    """The `KVCache` `prompt_cache(params, cfg, tokens, positions)` returns, from `split_prompt_cache`'s
+    arrays (as they come in a batch) and the prompts' positions [B,T] (right-padded, -1 = pad)."""
+    k = arrays["prompt_k"]
+    L, B, H, T, _ = k.shape
+    if positions.shape != (B, T):
+        raise ValueError(f"positions {positions.shape} do not match the stored prompt cache's [B, T] = {(B, T)}")
+    pos = jnp.broadcast_to(positions[None, :, None, :], (L, B, H, T)).astype(jnp.int32)
+    cache = KVCache(k=k, v=arrays["prompt_v"], pos=pos, valid=pos >= 0)
+    if "prompt_local_k" in arrays:
+        cache = cache.replace(local=KVCache(k=arrays["prompt_local_k"], v=arrays["prompt_local_v"],
+                                            pos=arrays["prompt_local_pos"], valid=arrays["prompt_local_valid"]))
+    return cache
+
+
 def adapter_hook(adapter_params: dict[str, Any], config: LookaheadConfig, mask: jax.Array) -> dict[str, Any]:
     """The row-masked LoRA hook `extend` takes: the factors, the row mask [B,n] and alpha / rank."""
     lora = {p: adapter_params["lora"][p] for p in config.projections}

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from kvjax.lookahead.attention import check_positions, predicted_attention, prompt_cache
+from kvjax.lookahead.attention import check_positions, join_prompt_cache, predicted_attention, prompt_cache
 from kvjax.lookahead.config import LookaheadConfig
 from kvjax.models.config import ModelConfig
 
@@ -90,14 +90,19 @@ def loss_fn(adapter_params: dict[str, Any], model_params: dict[str, Any], model_
     against batch["target"].
 
     batch: tokens [B,T] int32, positions [B,T] int32 (right-padded, -1 = pad), target [L,B,Hq,T]
-    float32 over the L = num_global_layers layers (`response_attention` over the same prompt cache). T + n_tokens must fit the model's
+    float32 over the L = num_global_layers layers (`response_attention` over the same prompt cache), and
+    optionally the prompt cache itself (`split_prompt_cache`'s arrays: prompt_k, prompt_v [L,B,Hkv,T,D], ...),
+    which then replaces the prefill. T + n_tokens must fit the model's
     positions (checked on the padded width T). remat: rematerialise the lookahead pass's layers
     in the backward pass (saves memory on long prompts).
     """
     tokens, positions, target = batch["tokens"], batch["positions"], batch["target"]
     check_positions(model_cfg, tokens.shape[1], config)
     model_params = jax.lax.stop_gradient(model_params)
-    cache = jax.lax.stop_gradient(prompt_cache(model_params, model_cfg, tokens, positions))
+    if "prompt_k" in batch:  # the targets stage stored the prefill's cache (`targets.prompt_cache`)
+        cache = jax.lax.stop_gradient(join_prompt_cache(batch, positions))
+    else:
+        cache = jax.lax.stop_gradient(prompt_cache(model_params, model_cfg, tokens, positions))
     lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
     predicted = predicted_attention(model_params, model_cfg, adapter_params, config, cache, lengths, remat=remat)
     return objective(jax.lax.stop_gradient(target), predicted, positions >= 0)

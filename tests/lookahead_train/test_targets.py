@@ -1,19 +1,21 @@
 """Target generation: the frozen model's greedy response and its mean response->prompt attention
-(policies.md §11.1) equal Hugging Face transformers' full-sequence attentions; the stage resumes."""
+(policies.md §11.1) equal Hugging Face transformers' full-sequence attentions; the stage resumes; a stored
+prompt cache is the prefill it replaces."""
 
 import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 
 import kvjax
-from kvjax.lookahead import LookaheadConfig, init_adapter
+from kvjax.lookahead import LookaheadConfig, init_adapter, join_prompt_cache, prompt_cache
 from train_lookahead.config import DataSection, SourceSection, TargetsSection
-from train_lookahead.data import to_example
+from train_lookahead.data import _layers_first, to_example
 from train_lookahead.loss import lookahead_loss
 from train_lookahead.targets import TargetRecords, chunk_targets, generate_targets
 
@@ -105,3 +107,60 @@ def test_on_the_fly_loss_equals_the_loss_on_stored_targets(stories):
     np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
     for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory):
+    from tiny_models import build_hf  # a tiny random Gemma 2: sliding-window layers (window 8) beside global ones
+
+    folder = tmp_path_factory.mktemp("gemma2")
+    build_hf("gemma2", folder)
+    return kvjax.load_model(folder, tokenizer=False)
+
+
+@pytest.mark.parametrize("name", ["stories", "gemma2"])
+def test_a_stored_prompt_cache_is_the_prefill_and_gives_the_same_loss(request, tmp_path, name):
+    """targets.prompt_cache: the cache a train batch rebuilds from the stored arrays equals the frozen
+    prefill of the batch's prompts (global layers and, on Gemma 2, the rolling buffers of its
+    sliding-window layers), and the loss and its gradient equal those of the step that prefills."""
+    model = request.getfixturevalue(name)
+    cfg = model.config
+    rng = np.random.default_rng(0)
+    prompts = [[1] + rng.integers(3, min(cfg.vocab_size, 512), n - 1).tolist() for n in (16, 11, 7, 14)]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"tokens": p}) + "\n" for p in prompts))
+    data = DataSection(sources=(SourceSection(kind="jsonl", path=str(path)),), max_prompt_tokens=16)
+    folder = generate_targets(model, data, TargetsSection(max_response_tokens=5, batch_size=3, prompt_cache=True),
+                              tmp_path, progress=False)
+    records = TargetRecords(folder)
+    rec = records[1]
+    assert rec["prompt_k"].shape == (cfg.num_global_layers, cfg.num_kv_heads, len(prompts[1]), cfg.head_dim)
+    assert rec["prompt_k"].dtype == cfg.jnp_dtype
+    assert ("prompt_local_k" in rec) == bool(cfg.local_layer_ids)
+    batch = _layers_first({k: np.stack([to_example(records[i], 16)[k] for i in range(4)])
+                           for k in to_example(rec, 16)})
+    rebuilt = join_prompt_cache(batch, batch["positions"])
+    fresh = prompt_cache(model.params, cfg, batch["tokens"], batch["positions"])
+    # the prefill also writes the padding tokens' keys and values into the (invalid) slots past a prompt
+    empty = ~fresh.valid[..., None]
+    fresh = fresh.replace(k=jnp.where(empty, 0, fresh.k), v=jnp.where(empty, 0, fresh.v))
+    for a, b in zip(jax.tree.leaves(rebuilt), jax.tree.leaves(fresh), strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=5e-5)  # batched as 3 vs 4 rows
+    la = LookaheadConfig(n_tokens=3, rank=2, alpha=4.0)
+    params = jax.tree.map(lambda x: x + 0.05, init_adapter(model, la, jax.random.PRNGKey(1)).params)
+    grad = jax.jit(jax.value_and_grad(lookahead_loss(cfg, la)))
+    a, ga = grad(params, model.params, batch)
+    b, gb = grad(params, model.params, {k: v for k, v in batch.items() if not k.startswith("prompt_")})
+    assert np.isfinite(float(a))
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+    for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+    # and the step reads the stored keys rather than prefilling: other keys, another loss
+    c, _ = grad(params, model.params, {**batch, "prompt_k": batch["prompt_k"][:, ::-1]})
+    assert abs(float(c) - float(a)) > 1e-4
+
+
+def test_prompt_cache_needs_stored_targets():
+    with pytest.raises(ValueError, match="targets.prompt_cache.*mode: stored"):
+        TargetsSection(mode="on_the_fly", prompt_cache=True)

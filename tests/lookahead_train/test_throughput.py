@@ -28,7 +28,7 @@ def test_throughput_runs_the_asked_slice_and_reports_its_rates(tmp_path):
     assert m["steps_per_s"] == pytest.approx(1 / m["step_s"]) and m["examples_per_s"] == pytest.approx(2 / m["step_s"])
     assert m["prompts_per_s"] == pytest.approx(2 / m["chunk_s"])
     assert m["first_step_s"] > m["step_s"] > 0  # the first step compiles
-    text = throughput.report(m, "x.yaml")
+    text = throughput.report([m], "x.yaml")
     assert f"{m['steps_per_s']:.4f} steps/s" in text and "(mean of 2)" in text
     with pytest.raises(ValueError, match="steps >= 2"):
         throughput.measure(cfg, tmp_path / "again", chunks=1, steps=1)
@@ -42,3 +42,19 @@ def test_cli_writes_the_report_and_its_numbers(tmp_path):
     numbers = json.loads(out.with_suffix(".json").read_text())
     assert numbers["config"] == str(config) and numbers["timed_steps"] == 1
     assert out.read_text().startswith("# LookaheadKV training throughput")
+
+
+def test_both_prompt_cache_settings_side_by_side(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps(CONF))
+    out = tmp_path / "both.md"
+    assert throughput.main(["--config", str(config), "--chunks", "1", "--steps", "3", "--prompt-cache", "both",
+                            "--workdir", str(tmp_path / "w"), "--out", str(out)]) == 0
+    runs = json.loads(out.with_suffix(".json").read_text())["runs"]
+    assert [r["prompt_cache"] for r in runs] == [False, True]
+    # the cached run trained on records that carry the prefill's cache; the other on records without
+    assert TargetRecords(tmp_path / "w" / "cache" / "timed" / "targets")[0]["prompt_k"].ndim == 4
+    assert "prompt_k" not in TargetRecords(tmp_path / "w" / "prefill" / "timed" / "targets")[0]
+    text = out.read_text()
+    ratio = runs[0]["step_s"] / runs[1]["step_s"]
+    assert "| stored | train" in text and "| prefilled each step | train" in text and f"**{ratio:.1f}x**" in text
