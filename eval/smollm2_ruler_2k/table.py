@@ -3,7 +3,8 @@ question-agnostic and query-aware, from the `results.jsonl` of one or more `pyth
 per protocol (a later folder's rows replace an earlier one's for the same policy, setting and sample).
 
     python eval/smollm2_ruler_2k/table.py --agnostic DIR [DIR ...] --aware DIR [DIR ...] \\
-        [--out eval/smollm2_ruler_2k/TABLE.md] [--partial] [--ratios 0.5 0.75] [--num-samples N]
+        [--kvquant DIR [DIR ...]] [--out eval/smollm2_ruler_2k/TABLE.md] [--partial] [--ratios 0.5 0.75] \\
+        [--num-samples N]
 
 Writes OUT (Markdown: score ± s.e., the paired difference from the full cache with regressions and
 improvements, answer-length drift, wall time) and OUT with .png (score vs ratio per preset, one panel
@@ -11,6 +12,11 @@ per protocol). Numbers: `kvjax.eval.paired`. A setting missing samples (fewer th
 of its protocol or than num_samples per task, a task absent, a configured setting without rows) is
 refused with its name unless --partial, which marks it incomplete; a setting the policy declined is
 listed with its reason.
+
+--kvquant: question-agnostic runs at quantized KV storage (`--kv-quant`): a section of their settings beside
+the same presets unquantized (from --agnostic), each with its KV memory as a fraction of the full cache's at
+16 bits per element (`stats.kv_bytes16_mean`, the equal-memory axis), paired with the same preset
+unquantized and with the full cache, sample by sample.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
+import kvjax
 from kvjax.eval import paired
 from kvjax.eval.runner import make_settings
 
@@ -124,8 +133,9 @@ def _full_n(part: Part) -> int:
     return full.paired.n if full is not None and full.paired is not None else 0
 
 
-def render(parts: Sequence[Part], ratios: Sequence[float], plot_name: str | None) -> str:
-    """The Markdown of the table (module doc)."""
+def render(parts: Sequence[Part], ratios: Sequence[float], plot_name: str | None,
+           extra: Sequence[str] = ()) -> str:
+    """The Markdown of the table (module doc); `extra`: lines of further sections, before the wall time."""
     labels = [f"r={r:g}" for r in ratios]
     columns = [(part, label) for part in parts for label in labels]
     heads = [f"{part.name} {label}" for part, label in columns]
@@ -168,7 +178,7 @@ def render(parts: Sequence[Part], ratios: Sequence[float], plot_name: str | None
            "## Against the full cache, paired by sample: difference ± s.e., regressions↓ improvements↑", "",
            *table("diff"), "",
            "## Answer length: generated tokens minus the full cache's (x ratio)", "", *table("length"), "",
-           "## Wall time", ""]
+           *extra, "## Wall time", ""]
     for part in parts:
         total = sum(part.seconds.values())
         md.append(f"- {part.name}: {total / 3600:.2f} h (sum of the rows' seconds, duplicates dropped), the full cache "
@@ -209,6 +219,94 @@ def _not_averaged(parts: Sequence[Part]) -> list[str]:
     return md + [""]
 
 
+def _bytes16(row: dict[str, Any], itemsize: int) -> float | None:
+    """A row's mean KV bytes at its storage, 16 bits per element unquantized (`stats.kv_bytes16_mean`; rows
+    recorded before that field: its model-dtype bytes scaled to 16 bits by the model's `itemsize`)."""
+    st = row.get("stats") or {}
+    if st.get("kv_bytes16_mean") is not None:
+        return float(st["kv_bytes16_mean"])
+    if row.get("kv_quant", "none") in (None, "none") and st.get("kv_bytes_mean") is not None:
+        return float(st["kv_bytes_mean"]) * 2 / itemsize
+    return None
+
+
+def _memory(rows: Sequence[dict[str, Any]], full: dict[str, dict[str, Any]], itemsize: int) -> float | None:
+    """Mean over `rows` of their KV bytes over the full cache's at 16 bits per element on the same sample."""
+    f = [a / b for r in rows if r["sample_id"] in full
+         and (a := _bytes16(r, itemsize)) is not None and (b := _bytes16(full[r["sample_id"]], itemsize))]
+    return sum(f) / len(f) if f else None
+
+
+def model_itemsize(model: str) -> int:
+    """Bytes per KV element of the eval's model as `python -m kvjax.eval` loads it (its default dtype)."""
+    return int(np.dtype(kvjax.load_model(model, tokenizer=False).config.jnp_dtype).itemsize)
+
+
+def kvquant_section(folders: Sequence[str], agnostic: Part, *, partial: bool = False,
+                    num_samples: int | None = None, itemsize: int | None = None) -> list[str]:
+    """The Markdown section of `--kvquant` (module doc); raises `paired.IncompleteError` for a quantized
+    setting missing samples unless `partial`. itemsize: the model's bytes per KV element, for unquantized
+    rows recorded without `kv_bytes16_mean` (default: loaded from --agnostic's run_config model)."""
+    rows = [r for f in folders for r in read_folder(f)[0]]
+    if any(r.get("query_aware") for r in rows):
+        raise ValueError(f"{list(folders)}: --kvquant takes question-agnostic rows")
+    rows, _, _ = paired.dedupe(r for r in rows if r.get("kv_quant", "none") not in (None, "none"))
+    tasks = sorted({r["task"] for r in agnostic.rows})
+    statuses = paired.compare(rows, num_samples=num_samples or agnostic.num_samples, tasks=tasks, partial=True)
+    bad = [st for st in statuses if st.state == "incomplete"]
+    if bad and not partial:
+        raise paired.IncompleteError(paired.incomplete_message(bad, where="--kvquant"))
+    plain = defaultdict(list)  # (policy, label) -> the unquantized rows of --agnostic
+    for r in agnostic.rows:
+        plain[(r["policy"], r["setting"])].append(r)
+    full16 = {r["sample_id"]: r for r in plain[(paired.FULL, "full")]}
+    if itemsize is None and any((r.get("stats") or {}).get("kv_bytes16_mean") is None for r in full16.values()):
+        itemsize = model_itemsize(read_folder(agnostic.folders[0])[1]["model"])
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["policy"], r["setting"])].append(r)
+    lines = ["| preset | ratio | storage | KV memory (x full, 16-bit) | score | vs the same preset unquantized "
+             "| vs the full cache (16-bit) |", "|---|---|---|---:|---:|---:|---:|"]
+    first = {p: i for i, p in reversed(list(enumerate(st.policy for st in statuses)))}
+    presets = sorted(first, key=lambda p: (p != paired.FULL, first[p]))
+    for policy in presets:
+        labels = sorted({st.setting.split(" ")[0] for st in statuses if st.policy == policy})
+        for label in labels:
+            base = plain.get((policy, label), [])
+            p16 = paired.pair(base, list(full16.values()))
+            lines.append(f"| {policy} | {label if label != 'full' else ''} | none | "
+                         f"{_fraction(_memory(base, full16, itemsize))} | {paired.plus_minus(p16.score, p16.score_se)} | | "
+                         f"{'' if policy == paired.FULL else paired.plus_minus(p16.diff, p16.diff_se, sign=True)} |")
+            for st in statuses:
+                if st.policy != policy or st.setting.split(" ")[0] != label:
+                    continue
+                storage = st.setting.split(" ", 1)[1]
+                if st.state != "complete":
+                    lines.append(f"| {policy} | | {storage} | | {_cell(st, 'score', 0)} | | |")
+                    continue
+                g = groups[st.key]
+                vs_full = paired.pair(g, list(full16.values()))
+                lines.append(f"| {policy} | | {storage} | {_fraction(_memory(g, full16, itemsize))} | "
+                             f"{paired.plus_minus(vs_full.score, vs_full.score_se)} | "
+                             f"{paired.plus_minus(*_diff(g, base), sign=True)} | "
+                             f"{paired.plus_minus(vs_full.diff, vs_full.diff_se, sign=True)} |")
+    n = len(full16)
+    return ["## Quantized KV storage (question-agnostic)", "",
+            f"{', '.join(folders)}: {len(rows)} rows; every cell pairs the samples both sides ran ({n} for the full "
+            "cache). KV memory: the entries a row's cache held, in bytes at its storage (codes, scales and zero "
+            "points; 16 bits per element unquantized), over the full cache's at 16 bits on the same sample, averaged "
+            "over samples: rows with the same memory compare fewer tokens against fewer bits.", "", *lines, ""]
+
+
+def _diff(rows: Sequence[dict[str, Any]], baseline: Sequence[dict[str, Any]]) -> tuple[float | None, float | None]:
+    p = paired.pair(rows, baseline)
+    return p.diff, p.diff_se
+
+
+def _fraction(x: float | None) -> str:
+    return "" if x is None else f"{x:.3f}"
+
+
 def plot(parts: Sequence[Part], ratios: Sequence[float], path: pathlib.Path) -> None:
     """Score (± s.e.) against compression ratio, one line per preset, one panel per protocol; the
     full cache a dashed line. Only complete settings are drawn."""
@@ -247,6 +345,8 @@ def main(argv: Sequence[str] | None = None) -> str:
     for name in PROTOCOLS:
         ap.add_argument(f"--{name}", nargs="+", default=[], metavar="DIR",
                         help=f"run folders of the {name} protocol (results.jsonl, run_config.json), later ones win")
+    ap.add_argument("--kvquant", nargs="+", default=[], metavar="DIR",
+                    help="question-agnostic run folders at quantized KV storage (needs --agnostic)")
     ap.add_argument("--out", default="eval/smollm2_ruler_2k/TABLE.md")
     ap.add_argument("--partial", action="store_true", help="mark settings missing samples instead of refusing")
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.5, 0.75])
@@ -262,13 +362,22 @@ def main(argv: Sequence[str] | None = None) -> str:
                                         num_samples=args.num_samples))
             except paired.IncompleteError as err:
                 errors.append(str(err))
+    if args.kvquant and not any(p.name == "agnostic" for p in parts):
+        ap.error("--kvquant needs --agnostic (the same presets unquantized)")
+    extra: list[str] = []
+    if args.kvquant and not errors:
+        try:
+            extra = kvquant_section(args.kvquant, next(p for p in parts if p.name == "agnostic"),
+                                    partial=args.partial, num_samples=args.num_samples)
+        except paired.IncompleteError as err:
+            errors.append(str(err))
     if errors:
         raise paired.IncompleteError("\n".join(errors))
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     png = out.with_suffix(".png")
     plot(parts, args.ratios, png)
-    text = render(parts, args.ratios, png.name)
+    text = render(parts, args.ratios, png.name, extra)
     out.write_text(text, encoding="utf-8")
     return text
 

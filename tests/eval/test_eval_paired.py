@@ -177,6 +177,57 @@ def test_table_refuses_incomplete_settings_and_partial_marks_them(tmp_path):
         table.main(["--agnostic", aware, "--out", str(out)])
 
 
+def test_table_kvquant_section_pairs_each_storage_with_its_unquantized_preset(tmp_path):
+    """--kvquant: a quantized setting's score, its paired difference from the same preset unquantized and
+    from the full cache (numpy, stratified by task), and its KV memory over the full cache's at 16 bits (an
+    unquantized row recorded without kv_bytes16_mean: its model-dtype bytes scaled by the itemsize); a
+    quantized setting missing samples is refused, named, unless --partial."""
+    table = _table_module()
+
+    def strat(by_task):  # mean over tasks, stratified s.e., as the table prints them
+        means = [np.mean(v) for v in by_task]
+        se = np.sqrt(sum(np.var(v, ddof=1) / len(v) for v in by_task)) / len(by_task)
+        return table.paired.plus_minus(float(np.mean(means)), float(se), sign=True)
+
+    def rows(policy, setting, scores, kv_bytes, kv16=None, quant=None):
+        out = _rows(policy, setting, scores)
+        for r in out:
+            r["stats"] = {"generated_tokens": 10, "kv_bytes_mean": kv_bytes,
+                          **({} if kv16 is None else {"kv_bytes16_mean": kv16})}
+            if quant:
+                r["kv_quant"] = quant
+        return out
+
+    full = {"t1": [1.0, 0.0], "t2": [1.0, 1.0]}
+    snap = {"t1": [1.0, 0.0], "t2": [1.0, 0.0]}
+    snap4 = {"t1": [0.0, 0.0], "t2": [1.0, 0.0]}
+    # float32 model, rows without kv_bytes16: the full cache's 4000 bytes are 2000 at 16 bits
+    plain = _folder(tmp_path / "a", rows("full", "full", full, 4000) + rows("snapkv", "r=0.5", snap, 2000), ["snapkv"])
+    quant = rows("full", "full int4", full, 4000, 600, "int4") + rows("snapkv", "r=0.5 int4", snap4, 2000, 300, "int4")
+    q = _folder(tmp_path / "q", quant, ["snapkv"])
+    section = table.kvquant_section([q], table.build_part("agnostic", [plain], [0.5]), itemsize=4)
+    split = [[c.strip() for c in ln.strip().strip("|").split("|")] for ln in section if ln.startswith("| ")]
+    cells = {(c[0], c[2]): c[3:] for c in split}
+    x100 = {k: [100 * np.array(v) for v in d.values()] for k, d in (("full", full), ("snap", snap), ("snap4", snap4))}
+    assert cells[("snapkv", "none")][:2] == ["0.500", strat(x100["snap"]).lstrip("+")]
+    assert cells[("snapkv", "none")][3] == strat([a - b for a, b in zip(x100["snap"], x100["full"])])
+    q4 = cells[("snapkv", "int4")]
+    assert q4[0] == "0.150"  # 300 bytes of codes and scales over 2000 at 16 bits
+    assert q4[1] == strat(x100["snap4"]).lstrip("+")
+    assert q4[2] == strat([a - b for a, b in zip(x100["snap4"], x100["snap"])])
+    assert q4[3] == strat([a - b for a, b in zip(x100["snap4"], x100["full"])])
+    assert cells[("full", "int4")][0] == "0.300"
+    out = tmp_path / "T.md"
+    short = _folder(tmp_path / "q2", [r for r in quant if (r["policy"], r["sample_id"]) != ("snapkv", "t2/1")],
+                    ["snapkv"])
+    plain16 = _folder(tmp_path / "a16", rows("full", "full", full, 4000, 2000) + rows("snapkv", "r=0.5", snap, 2000, 1000),
+                      ["snapkv"])  # recorded with kv_bytes16_mean: no model needed
+    args = ["--agnostic", plain16, "--kvquant", short, "--ratios", "0.5", "--out", str(out)]
+    with pytest.raises(paired.IncompleteError, match=r"--kvquant[\s\S]*snapkv r=0\.5 int4"):
+        table.main(args)
+    assert "incomplete (3/4)" in table.main([*args, "--partial"]).split("## Quantized KV storage")[1]
+
+
 def _rounds_module():
     _table_module()  # rounds.py imports table.py from its folder
     spec = importlib.util.spec_from_file_location("ruler_rounds", ROOT / "eval/smollm2_ruler_2k/rounds.py")
