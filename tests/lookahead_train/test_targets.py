@@ -118,7 +118,7 @@ def gemma2(tmp_path_factory):
     return kvjax.load_model(folder, tokenizer=False)
 
 
-@pytest.mark.parametrize("name", ["stories", "gemma2"])
+@pytest.mark.parametrize("name", ["stories", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_a_stored_prompt_cache_is_the_prefill_and_gives_the_same_loss(request, tmp_path, name):
     """targets.prompt_cache: the cache a train batch rebuilds from the stored arrays equals the frozen
     prefill of the batch's prompts (global layers and, on Gemma 2, the rolling buffers of its

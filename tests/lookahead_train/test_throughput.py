@@ -48,7 +48,7 @@ def test_both_prompt_cache_settings_side_by_side(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(json.dumps(CONF))
     out = tmp_path / "both.md"
-    assert throughput.main(["--config", str(config), "--chunks", "1", "--steps", "3", "--prompt-cache", "both",
+    assert throughput.main(["--config", str(config), "--chunks", "1", "--steps", "2", "--prompt-cache", "both",
                             "--workdir", str(tmp_path / "w"), "--out", str(out)]) == 0
     runs = json.loads(out.with_suffix(".json").read_text())["runs"]
     assert [r["prompt_cache"] for r in runs] == [False, True]
