@@ -28,6 +28,7 @@ SOURCE_KINDS = ("synthetic", "jsonl", "parquet", "hf")
 LONG_PROMPTS = ("skip", "error")
 TARGET_DTYPES = ("float32", "float16")
 TARGET_MODES = ("stored", "on_the_fly")
+TARGET_TEACHERS = ("response", "kvzip")
 MODEL_DTYPES = (None, "float32", "bfloat16")
 
 
@@ -69,9 +70,18 @@ class SourceSection:
     name: str | None = None
     subset: str | None = None
     split: str = "train"
+    # synthetic only: True renders each sample as the query-aware eval does (context, question, answer
+    # prefix); False as the question-agnostic eval compresses it (the context alone, in the chat template's
+    # user turn), for targets that need no question (`targets.teacher: kvzip`)
+    query_aware: bool = True
 
     def __post_init__(self):
         _choice("kind", self.kind, SOURCE_KINDS)
+        if not isinstance(self.query_aware, bool):
+            raise ValueError(f"query_aware must be true or false, got {self.query_aware!r}")
+        if not self.query_aware and self.kind != "synthetic":
+            raise ValueError(f"query_aware: false applies to synthetic sources only (a {self.kind} source's "
+                             "rows are used as they are)")
         if self.kind == "synthetic":
             if self.num_samples is None or self.num_samples < 1:
                 raise ValueError(f"num_samples must be >= 1 for a synthetic source, got {self.num_samples}")
@@ -118,9 +128,14 @@ class TargetsSection:
     dtype: str = "float32"  # of stored targets
     mode: str = "stored"
     prompt_cache: bool = False
+    teacher: str = "response"
 
     def __post_init__(self):
         _choice("targets.mode", self.mode, TARGET_MODES)
+        _choice("targets.teacher", self.teacher, TARGET_TEACHERS)
+        if self.teacher != "response" and self.mode != "stored":
+            raise ValueError(f"targets.teacher: {self.teacher} needs targets.mode: stored, got mode {self.mode!r} "
+                             "(on the fly, the targets come from the response)")
         if self.prompt_cache and self.mode != "stored":
             raise ValueError(f"targets.prompt_cache: true needs targets.mode: stored, got mode {self.mode!r} "
                              "(on the fly, each step prefills its prompts for the response anyway)")

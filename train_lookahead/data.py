@@ -50,8 +50,9 @@ def synthetic_seed(source_seed: int, k: int) -> int:
 
 class SyntheticPrompts:
     """`num_samples` prompts of the synthetic tasks, task by task in turn; item i is generated on
-    demand with seed `synthetic_seed(seed, i // len(tasks))`. Items are query-aware full prompts
-    (context + question + answer prefix), rendered as kvjax.eval renders them."""
+    demand with seed `synthetic_seed(seed, i // len(tasks))`. Items are rendered as kvjax.eval renders
+    them: query-aware full prompts (context + question + answer prefix), or with `query_aware: false` the
+    part the question-agnostic protocol compresses (the context, without the question)."""
 
     def __init__(self, source: SourceSection, tokenizer: Any):
         if tokenizer is None:
@@ -70,7 +71,8 @@ class SyntheticPrompts:
         task = self.tasks[i % len(self.tasks)]
         seed = synthetic_seed(self.source.seed, i // len(self.tasks))
         (sample,) = generate(task, self.tokenizer, self.source.context_length, 1, seed=seed)
-        text = build_prompt(sample, self.tokenizer, query_aware=True).text
+        parts = build_prompt(sample, self.tokenizer, query_aware=self.source.query_aware)
+        text = parts.text if self.source.query_aware else parts.compressed
         return {"id": f"{task}/seed{seed}", "text": text}
 
 

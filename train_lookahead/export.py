@@ -51,7 +51,9 @@ def card(cfg: RunConfig, *, command: str, model_path: str, steps: int, records: 
         "# LookaheadKV modules",
         "",
         f"Learned lookahead tokens and lookahead-only LoRA (arXiv 2603.10899) for the frozen model `{model_path}`,",
-        "trained with kvjax's `train_lookahead` to predict the model's own response->prompt attention.",
+        "trained with kvjax's `train_lookahead` to predict "
+        + ("the model's own response->prompt attention." if cfg.targets.teacher == "response"
+           else "KVzip's reconstruction scores (targets.teacher: kvzip)."),
         "Load with `kvjax.lookahead.load(<this folder>)`.",
         "",
         "## Command",
@@ -65,8 +67,11 @@ def card(cfg: RunConfig, *, command: str, model_path: str, steps: int, records: 
         sources,
         "",
         f"{records} prompts of at most {cfg.data.max_prompt_tokens} tokens (skipped as longer: {skipped}); "
-        f"targets from the frozen model's greedy response of at most {cfg.targets.max_response_tokens} tokens "
-        f"(targets.mode: {cfg.targets.mode}).",
+        + (f"targets from the frozen model's greedy response of at most {cfg.targets.max_response_tokens} tokens "
+         if cfg.targets.teacher == "response" else
+         "targets: KVzip's scores of each prompt (the most attention each entry gets while the model repeats "
+         "the prompt; no response generated) ")
+        + f"(targets.mode: {cfg.targets.mode}).",
         "",
         "## Training",
         "",
@@ -88,7 +93,8 @@ def card(cfg: RunConfig, *, command: str, model_path: str, steps: int, records: 
 def _describe(s: Any) -> str:
     if s.kind == "synthetic":
         return (f"synthetic (kvjax.data {', '.join(s.tasks)}): {s.num_samples} prompts at {s.context_length} "
-                f"tokens, seed {s.seed} (offset from the eval's)")
+                f"tokens, seed {s.seed} (offset from the eval's)"
+                + ("" if s.query_aware else "; contexts alone, as the question-agnostic protocol compresses them"))
     if s.kind == "hf":
         return f"Hugging Face dataset {s.name} ({s.subset or 'default'}, {s.split})"
     return f"{s.kind} file {pathlib.Path(s.path).name}"

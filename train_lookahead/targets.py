@@ -27,6 +27,7 @@ import shutil
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
@@ -34,11 +35,27 @@ from tqdm.auto import tqdm
 import kvjax
 from kvjax.lookahead import PROMPT_CACHE_GLOBAL, PROMPT_CACHE_LOCAL, prompt_cache, response_attention, split_prompt_cache
 from kvjax.models.config import ModelConfig
+from kvjax.passes.reconstruction import Reconstruction, reconstruction_scores
 
 from train_lookahead.config import DataSection, TargetsSection
 from train_lookahead.data import encode_record, prompt_source
 
 MANIFEST = "manifest.json"
+
+
+# the `kvzip` preset's reconstruction pass (kvjax.policies.kvzip.KVzip's defaults): the teacher "kvzip"
+KVZIP_PASS = Reconstruction()
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "with_cache"))
+def _kvzip_targets(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Array,
+                   with_cache: bool = False) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """KVzip's scores as a target [L, B, Hq, T] (each KV head's score repeated over its query heads) for
+    prompts tokens/positions [B, T], and with `with_cache` the prompt cache's arrays."""
+    cache = prompt_cache(params, cfg, tokens, positions)
+    scores = reconstruction_scores(params, cfg, cache, tokens, positions, KVZIP_PASS)  # [L, B, Hkv, T]
+    target = jnp.repeat(scores, cfg.num_heads // cfg.num_kv_heads, axis=2)
+    return target, (split_prompt_cache(cache) if with_cache else {})
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "with_cache"))
@@ -54,17 +71,18 @@ def _targets(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
 
 def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_tokens: int,
                   max_response_tokens: int, batch_size: int, attention: bool = True,
-                  with_cache: bool = False) -> dict[str, np.ndarray]:
+                  with_cache: bool = False, teacher: str = "response") -> dict[str, np.ndarray]:
     """Responses and s_GT for up to `batch_size` prompts (each at most `max_prompt_tokens` tokens).
 
     Rows are padded to `batch_size` with copies of the first prompt so every chunk has one shape.
     Returns tokens [n, Tc], lengths [n], target [n, L, Hq, Tc] float32 (only with `attention`),
     response [n, Y], response_lengths [n], and with `with_cache` (needs `attention`) the prompt cache's
     arrays, rows first: prompt_k, prompt_v [n, L, Hkv, Tc, D] (prompt_local_* [n, Ll, Hkv, W, ...]).
+    teacher "kvzip": the target is KVzip's scores instead (`_kvzip_targets`); no response is generated
+    and none is returned.
     """
     n = len(prompts)
     rows = prompts + [prompts[0]] * (batch_size - n)
-    out = kvjax.generate(model, rows, max_new_tokens=max_response_tokens)
     lengths = np.array([len(p) for p in rows], np.int32)
     T = max_prompt_tokens
     tokens = np.zeros((batch_size, T), np.int32)
@@ -72,24 +90,35 @@ def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_to
     for b, p in enumerate(rows):
         tokens[b, : len(p)] = p
         positions[b, : len(p)] = np.arange(len(p))
+    Tc = int(lengths[:n].max())
+    if teacher == "kvzip":
+        target, cache = jax.device_get(_kvzip_targets(model.params, model.config, tokens, positions,
+                                                      with_cache=with_cache))
+        return {"tokens": tokens[:n, :Tc], "lengths": lengths[:n], **_target_rows(target, cache, lengths, n, Tc)}
+    out = kvjax.generate(model, rows, max_new_tokens=max_response_tokens)
     Y = max_response_tokens
     response = np.zeros((batch_size, Y), np.int32)
     response[:, : out.tokens.shape[1]] = out.tokens[:, :Y]
     steps = np.arange(Y)[None, :]
     response_positions = np.where(steps < out.lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
     response = np.where(response_positions >= 0, response, 0)
-    Tc = int(lengths[:n].max())
     out_arrays = {"tokens": tokens[:n, :Tc], "lengths": lengths[:n], "response": response[:n],
                   "response_lengths": out.lengths[:n].astype(np.int32)}
     if not attention:
         return out_arrays
     target, cache = jax.device_get(_targets(model.params, model.config, tokens, positions, response,
-                                            response_positions, with_cache=with_cache))  # [L, B, Hq, T]
+                                            response_positions, with_cache=with_cache))
+    return {**out_arrays, **_target_rows(target, cache, lengths, n, Tc)}
+
+
+def _target_rows(target: Any, cache: dict[str, Any], lengths: np.ndarray, n: int, Tc: int) -> dict[str, np.ndarray]:
+    """target [L, B, Hq, T] and the cache's arrays (batch on axis 1) as the chunk's first n rows, rows
+    first and cut to Tc slots: target [n, L, Hq, Tc] float32 (0 past each row's length), prompt_* ."""
     target = np.asarray(target).transpose(1, 0, 2, 3)[:n, ..., :Tc]
     target = np.where(np.arange(Tc) < lengths[:n, None, None, None], target, 0.0).astype(np.float32)
     rows = {name: np.swapaxes(np.asarray(a), 0, 1)[:n] for name, a in cache.items()}
     rows.update({name: rows[name][:, :, :, :Tc] for name in PROMPT_CACHE_GLOBAL if name in rows})
-    return {**out_arrays, "target": target, **rows}
+    return {"target": target, **rows}
 
 
 def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSection, workdir: str | os.PathLike, *,
@@ -99,15 +128,18 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
     folder.mkdir(parents=True, exist_ok=True)
     settings = {"max_prompt_tokens": data.max_prompt_tokens, "max_response_tokens": targets.max_response_tokens,
                 "batch_size": targets.batch_size, "mode": targets.mode,
-                "sources": [dataclass_dict(s) for s in data.sources], "chat_template": data.chat_template,
+                "sources": [_source_settings(s) for s in data.sources], "chat_template": data.chat_template,
                 "model": model_info(model.config)}
-    if targets.prompt_cache:  # named only when on, so that folders written before it existed still resume
+    # settings added later are named only when not their default, so that older folders still resume
+    if targets.prompt_cache:
         settings["prompt_cache"] = True
+    if targets.teacher != "response":
+        settings["teacher"] = targets.teacher
     _check_settings(folder, settings)
     if (folder / MANIFEST).exists():
         return folder
     source = prompt_source(data, model.tokenizer)
-    limit = model.config.max_position_embeddings - targets.max_response_tokens
+    limit = _longest_prompt(model.config.max_position_embeddings, targets)
     n_chunks = -(-len(source) // targets.batch_size)
     # every process decides the same pending chunks before any is written (the model is sharded over
     # all of them, so they must run the same generate calls in the same order)
@@ -129,7 +161,8 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
         _write_chunk(folder / f"chunk_{i:05d}", ids, prompts and chunk_targets(
             model, prompts, max_prompt_tokens=data.max_prompt_tokens,
             max_response_tokens=targets.max_response_tokens, batch_size=targets.batch_size,
-            attention=targets.mode == "stored", with_cache=targets.prompt_cache), targets.dtype)
+            attention=targets.mode == "stored", with_cache=targets.prompt_cache, teacher=targets.teacher),
+            targets.dtype)
     multihost_utils.sync_global_devices("train_lookahead: targets written")
     counts = [_count(folder / f"chunk_{i:05d}") for i in range(n_chunks)]
     skipped = len(source) - sum(counts)
@@ -140,6 +173,18 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     multihost_utils.sync_global_devices("train_lookahead: manifest written")
     return folder
+
+
+def _longest_prompt(max_positions: int, targets: TargetsSection) -> int:
+    """The longest prompt whose teacher pass fits the model's positions: the response's at most
+    max_response_tokens, or KVzip's repeat of the prompt (T + min(T, chunk_size) + the instructions)."""
+    if targets.teacher == "response":
+        return max_positions - targets.max_response_tokens
+    p = KVZIP_PASS
+    extra = max(len(p.first_ids), len(p.next_ids) + p.postfix) + len(p.suffix_ids)
+    one_chunk = min((max_positions - extra) // 2, p.chunk_size)  # T <= chunk_size: the pass repeats all T
+    chunks = max_positions - extra - p.chunk_size  # T > chunk_size: a pass repeats chunk_size tokens
+    return max(one_chunk, chunks if chunks > p.chunk_size else 0)
 
 
 def _write_chunk(final: pathlib.Path, ids: list[str], arrays: dict[str, np.ndarray] | list, dtype: str) -> None:
@@ -173,6 +218,13 @@ def _check_settings(folder: pathlib.Path, settings: dict[str, Any]) -> None:
 
 def dataclass_dict(x: Any) -> dict[str, Any]:
     return json.loads(json.dumps(dataclasses.asdict(x)))
+
+
+def _source_settings(source: Any) -> dict[str, Any]:
+    d = dataclass_dict(source)
+    if d.get("query_aware", True):  # the default, named only when off (older folders resume)
+        d.pop("query_aware", None)
+    return d
 
 
 def model_info(cfg: ModelConfig) -> dict[str, int]:

@@ -61,6 +61,8 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
                    {"data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, False),
     "tokens_8_codes": ("8 lookahead tokens, data as data_codes",
                        {"lookahead": {"n_tokens": 8}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, False),
+    "teacher_kvzip": ("teacher: KVzip's scores of the contexts alone (no response, no question)",
+                      {"data": {"sources": [{"query_aware": False}]}, "targets": {"teacher": "kvzip"}}, False),
     "gqa_max": ("max over a KV head's query heads", {"lookahead": {"gqa_reduce": "max"}}, True),
     "no_pooling": ("no max pooling", {"lookahead": {"pooling": None}}, True),
     "kernel_3": ("max pooling over 3 positions (base: 7)", {"lookahead": {"kernel": 3}}, True),
@@ -75,6 +77,9 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "tokens_8_codes_kernel_15": ("tokens_8_codes' adapter, pooling over 15",
                                  {"lookahead": {"n_tokens": 8, "kernel": 15},
                                   "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "tokens_8_codes"),
+    "teacher_kvzip_kernel_15": ("teacher_kvzip's adapter, pooling over 15",
+                                {"lookahead": {"kernel": 15}, "data": {"sources": [{"query_aware": False}]},
+                                 "targets": {"teacher": "kvzip"}}, "teacher_kvzip"),
 }
 
 

@@ -48,6 +48,21 @@ def test_synthetic_prompts_are_deterministic_and_cycle_tasks(tokenizer):
     assert all(len(r["tokens"]) <= 400 for r in a)
 
 
+def test_query_agnostic_synthetic_prompts_are_the_contexts_alone(tokenizer):
+    """query_aware: false renders the part the question-agnostic eval compresses: the same sample's tokens
+    up to the question, and none of the question's."""
+    src = dict(tasks=TASKS, context_length=400, num_samples=2)
+    aware = prompt_dataset(DataSection(sources=(SourceSection(**src),), max_prompt_tokens=400), tokenizer)
+    agnostic = prompt_dataset(DataSection(sources=(SourceSection(**src, query_aware=False),), max_prompt_tokens=400),
+                              tokenizer)
+    for i, task in enumerate(TASKS):
+        (sample,) = generate_task(task, tokenizer, 400, 1, seed=synthetic_seed(0, 0))
+        parts = build_prompt(sample, tokenizer, query_aware=False)
+        assert agnostic[i]["tokens"] == encode(tokenizer, parts.compressed)
+        n = len(agnostic[i]["tokens"])
+        assert len(aware[i]["tokens"]) > n and sample["question"] not in tokenizer.decode(agnostic[i]["tokens"])
+
+
 def test_file_sources(tmp_path, tokenizer):
     rows = [{"prompt": "What is the capital of France?"},
             {"messages": [{"role": "user", "content": "Hi there"}]},

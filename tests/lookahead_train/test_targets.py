@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from kvzip_reference import hf_kvzip_scores
 
 import kvjax
 from kvjax.lookahead import LookaheadConfig, init_adapter, join_prompt_cache, prompt_cache
 from train_lookahead.config import DataSection, SourceSection, TargetsSection
 from train_lookahead.data import _layers_first, to_example
 from train_lookahead.loss import lookahead_loss
-from train_lookahead.targets import TargetRecords, chunk_targets, generate_targets
+from train_lookahead.targets import KVZIP_PASS, TargetRecords, chunk_targets, generate_targets
 
 PROMPTS = [[1, 45, 300, 17, 88, 402, 9, 77, 150, 33, 61, 12], [1, 200, 5, 99, 321, 44, 7],
            [1, 10, 20, 30, 40, 50, 60, 70, 80]]
@@ -164,3 +165,46 @@ def test_a_stored_prompt_cache_is_the_prefill_and_gives_the_same_loss(request, t
 def test_prompt_cache_needs_stored_targets():
     with pytest.raises(ValueError, match="targets.prompt_cache.*mode: stored"):
         TargetsSection(mode="on_the_fly", prompt_cache=True)
+
+
+def test_kvzip_teacher_targets_equal_transformers_reconstruction(stories, hf):
+    """teacher "kvzip": each query head's target is its KV head's KVzip score (the `kvzip` preset's repeat
+    pass, recomputed in PyTorch), zero past the prompt; no response is generated."""
+    out = chunk_targets(stories, PROMPTS, max_prompt_tokens=16, max_response_tokens=10, batch_size=4,
+                        teacher="kvzip", with_cache=True)
+    cfg = stories.config
+    G = cfg.num_heads // cfg.num_kv_heads
+    assert "response" not in out and out["target"].shape == (3, cfg.num_layers, cfg.num_heads, 12)
+    assert out["prompt_k"].shape[:4] == (3, cfg.num_layers, cfg.num_kv_heads, 12)
+    for b, prompt in enumerate(PROMPTS):
+        T = len(prompt)
+        want = hf_kvzip_scores(hf, prompt, KVZIP_PASS)  # [L, Hkv, T]
+        np.testing.assert_allclose(out["target"][b, :, :, :T], np.repeat(want, G, axis=1), rtol=2e-4, atol=1e-6)
+        assert (out["target"][b, :, :, T:] == 0).all()
+
+
+def test_kvzip_teacher_stage_trains_on_agnostic_contexts(stories, tmp_path):
+    """The stage with teacher "kvzip" writes KVzip targets a train batch reads, records the teacher in its
+    settings (a folder of response targets does not resume as one of KVzip's), and a `query_aware: false`
+    source's prompts are the contexts alone."""
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"tokens": p}) + "\n" for p in PROMPTS))
+    data = DataSection(sources=(SourceSection(kind="jsonl", path=str(path)),), max_prompt_tokens=16)
+    folder = generate_targets(stories, data, TargetsSection(batch_size=2, teacher="kvzip", prompt_cache=True),
+                              tmp_path, progress=False)
+    assert json.loads((folder / "settings.json").read_text())["teacher"] == "kvzip"
+    records = TargetRecords(folder)
+    direct = chunk_targets(stories, PROMPTS[:2], max_prompt_tokens=16, max_response_tokens=1, batch_size=2,
+                           teacher="kvzip")
+    np.testing.assert_allclose(records[1]["target"], direct["target"][1, ..., :len(PROMPTS[1])], atol=1e-6)
+    with pytest.raises(ValueError, match="teacher"):
+        generate_targets(stories, data, TargetsSection(batch_size=2, prompt_cache=True), tmp_path, progress=False)
+
+
+def test_kvzip_teacher_config_errors():
+    with pytest.raises(ValueError, match="targets.teacher.*'response', 'kvzip'"):
+        TargetsSection(teacher="snapkv")
+    with pytest.raises(ValueError, match="targets.teacher: kvzip needs targets.mode: stored"):
+        TargetsSection(mode="on_the_fly", teacher="kvzip")
+    with pytest.raises(ValueError, match="query_aware: false applies to synthetic sources only"):
+        SourceSection(kind="jsonl", path="x.jsonl", query_aware=False)

@@ -4,13 +4,12 @@ of the repeat pass), and the kept sets against a NumPy global selection (GQA 8/2
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
+from kvzip_reference import hf_kvzip_scores
 from pol_helpers import HKV, assert_same_kept, kept_positions, make_inputs
 from tiny_models import build_hf
 
@@ -28,58 +27,6 @@ from kvjax.policies import KVzip, get
 
 SPEC = Reconstruction(chunk_size=8, n_sink=2, postfix=3, first_ids=(5, 6, 7), next_ids=(8, 9), suffix_ids=(10,))
 LENGTHS = (13, 21, 8)
-
-
-def _rotate_half(x):
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], -1)
-
-
-def _hf_scores(hf, ids, spec):
-    """[L, Hkv, T] reference for one prompt: for each chunk, HF runs prompt + repeat pass in one causal
-    forward (= prefill then pass); the pass's post-RoPE queries and the cached keys give the subsampled
-    softmax, maxed over the group and the pass's queries."""
-    cfg = hf.config
-    Hq, Hkv = cfg.num_attention_heads, cfg.num_key_value_heads
-    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // Hq
-    G, T, L = Hq // Hkv, len(ids), cfg.num_hidden_layers
-    out = np.zeros((L, Hkv, T))
-    chunks = [ids[s:s + spec.chunk_size] for s in range(0, T, spec.chunk_size)]
-    for i, chunk in enumerate(chunks):
-        start = i * spec.chunk_size
-        instr = list(spec.first_ids) if i == 0 else list(spec.next_ids) + chunks[i - 1][-spec.postfix:]
-        rep = instr + list(spec.suffix_ids) + chunk
-        n = len(rep)
-        seen = {}
-        hooks = [layer.self_attn.register_forward_pre_hook(
-            lambda m, a, kw, l=l, seen=seen: seen.__setitem__(l, (kw["hidden_states"], kw["position_embeddings"])),
-            with_kwargs=True) for l, layer in enumerate(hf.model.layers)]
-        with torch.no_grad():
-            res = hf(torch.tensor([ids + rep]), use_cache=True)
-        for h in hooks:
-            h.remove()
-        for l, layer in enumerate(hf.model.layers):
-            attn = layer.self_attn
-            hs, (cos, sin) = seen[l]
-            with torch.no_grad():
-                q = attn.q_proj(hs).view(1, -1, Hq, D).transpose(1, 2)
-                if hasattr(attn, "q_norm"):
-                    q = attn.q_norm(q)
-                q = (q * cos[:, None] + _rotate_half(q) * sin[:, None])[0, :, T:].double().numpy()  # [Hq,n,D]
-            pkv = res.past_key_values
-            k = (pkv.layers[l].keys if hasattr(pkv, "layers") else pkv[l][0])[0].double().numpy()  # [Hkv,T+n,D]
-            sink = min(spec.n_sink, start)
-            cols = list(range(sink)) + list(range(start, start + len(chunk))) + list(range(T, T + n))
-            for h in range(Hq):
-                logits = q[h] @ k[h // G, cols].T / math.sqrt(D)  # [n, cols]
-                causal = np.ones_like(logits, bool)
-                causal[:, -n:] = np.tril(np.ones((n, n), bool))
-                logits = np.where(causal, logits, -np.inf)
-                p = np.exp(logits - logits.max(-1, keepdims=True))
-                p /= p.sum(-1, keepdims=True)
-                best = p[:, sink:sink + len(chunk)].max(0)
-                out[l, h // G, start:start + len(chunk)] = np.maximum(out[l, h // G, start:start + len(chunk)], best)
-    return out
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
@@ -100,7 +47,7 @@ def test_reconstruction_matches_transformers(tmp_path, family):
     got = np.asarray(jax.jit(reconstruction_scores, static_argnums=(1, 5))(
         model.params, cfg, cache, jnp.asarray(tokens), jnp.asarray(positions), SPEC))
     for b, p in enumerate(prompts):
-        want = _hf_scores(hf, p, SPEC)
+        want = hf_kvzip_scores(hf, p, SPEC)
         np.testing.assert_allclose(got[:, b, :, : len(p)], want, rtol=2e-4, atol=1e-6)
         assert (got[:, b, :, len(p):] == 0).all()
 
