@@ -77,9 +77,6 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "tokens_8_codes_kernel_15": ("tokens_8_codes' adapter, pooling over 15",
                                  {"lookahead": {"n_tokens": 8, "kernel": 15},
                                   "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "tokens_8_codes"),
-    "teacher_kvzip_kernel_15": ("teacher_kvzip's adapter, pooling over 15",
-                                {"lookahead": {"kernel": 15}, "data": {"sources": [{"query_aware": False}]},
-                                 "targets": {"teacher": "kvzip"}}, "teacher_kvzip"),
 }
 
 

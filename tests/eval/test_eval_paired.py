@@ -321,6 +321,14 @@ def test_lookahead_goals_pick_the_best_preset_and_judge_against_numpy(tmp_path, 
     for c, r in zip(cells[:2], (0.5, 0.75)):
         assert (c[5], c[7]) == expect({t: want[("ada_lookahead_kv", t, r)] for t in tasks}, 0.0)
     assert (cells[2][5], cells[2][7]) == expect({t: aware[t] - full_aware[t] for t in tasks}, -3.0)
+    # a preset far ahead on fewer samples than the floor does not outrank one with a verdict
+    few = [_row("layer_lookahead_kv", f"r={r}", t, i, 1.0, compression_ratio=r)
+           for t in tasks for r in (0.5, 0.75) for i in range(4)]
+    _write(tmp_path / "few", few)
+    goals.main(["--ood", str(tmp_path / "ood"), str(tmp_path / "few"), "--reference", str(tmp_path / "ref"),
+                "--n", str(n)])
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| agnostic")]
+    assert len(lines) == 2 and all("| ada_lookahead_kv |" in ln for ln in lines)
     # fewer samples than the floor: reported, no verdict
     goals.main(["--ood", str(tmp_path / "ood"), "--reference", str(tmp_path / "ref"), "--n", "4"])
     assert "no verdict (44 < 88 samples)" in capsys.readouterr().out
