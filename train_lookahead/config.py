@@ -154,9 +154,15 @@ class TrainSection:
     remat: bool = False  # rematerialise the lookahead pass's layers in the backward pass (long prompts)
     loss: str = "kl"  # "kl" (policies.md §11.4) or "topk": -log of the predicted mass on the target's top slots
     topk_fraction: float = 0.25  # the top slots' share of the prompt for loss "topk"
+    # False: the lookahead tokens follow the context alone, where the question-agnostic protocol compresses
+    # (before the question), and the loss covers the context's entries; the target is the same (the response
+    # to the whole prompt), restricted to the context. Needs records that know their context (synthetic).
+    query_aware: bool = True
 
     def __post_init__(self):
         _choice("train.loss", self.loss, LOSSES)
+        if not isinstance(self.query_aware, bool):
+            raise ValueError(f"train.query_aware must be true or false, got {self.query_aware!r}")
         if not 0.0 < self.topk_fraction <= 1.0:
             raise ValueError(f"train.topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
         if self.steps is not None:

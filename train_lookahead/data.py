@@ -73,7 +73,19 @@ class SyntheticPrompts:
         (sample,) = generate(task, self.tokenizer, self.source.context_length, 1, seed=seed)
         parts = build_prompt(sample, self.tokenizer, query_aware=self.source.query_aware)
         text = parts.text if self.source.query_aware else parts.compressed
-        return {"id": f"{task}/seed{seed}", "text": text}
+        return {"id": f"{task}/seed{seed}", "text": text,
+                "context_tokens": context_tokens(encode(self.tokenizer, text), sample, self.tokenizer)}
+
+
+def context_tokens(ids: list[int], sample: dict[str, Any], tokenizer: Any) -> int:
+    """How many leading tokens of a rendered prompt `ids` are its context: the part the question-agnostic
+    protocol compresses (`build_prompt(..., query_aware=False).compressed`), up to where the two
+    tokenisations first differ (a merge across the context's end)."""
+    head = encode(tokenizer, build_prompt(sample, tokenizer, query_aware=False).compressed)
+    n = 0
+    while n < min(len(head), len(ids)) and head[n] == ids[n]:
+        n += 1
+    return n
 
 
 class FilePrompts:
@@ -209,11 +221,20 @@ def prompt_dataset(data: DataSection, tokenizer: Any) -> grain.MapDataset:
 
 
 def to_example(record: dict[str, np.ndarray], max_prompt_tokens: int,
-               max_response_tokens: int | None = None) -> dict[str, np.ndarray]:
+               max_response_tokens: int | None = None, query_aware: bool = True) -> dict[str, np.ndarray]:
     """One target record -> fixed-shape arrays: tokens [T] (pad 0), positions [T] (-1 = pad), and
     target [L, Hq, T] float32 (0 on padding), or for an on-the-fly record response [Y] (pad 0) and
     response_positions [Y] (continuing the prompt's positions; -1 = pad); a stored prompt cache's arrays
-    pass through, prompt_k / prompt_v padded to [L, Hkv, T, D] with empty slots."""
+    pass through, prompt_k / prompt_v padded to [L, Hkv, T, D] with empty slots.
+    query_aware False (stored targets): the prompt is cut to its first record["context_tokens"] tokens,
+    the target and the stored cache with it (a causal prefill's first slots are the context's own)."""
+    if not query_aware:
+        if "target" not in record or record.get("context_tokens") is None:
+            raise ValueError("train.query_aware: false needs stored targets whose records know their context "
+                             "(synthetic sources; targets written or backfilled with context_lengths)")
+        c = int(record["context_tokens"])
+        record = {**record, "tokens": record["tokens"][:c], "target": record["target"][..., :c],
+                  **{k: record[k][:, :, :c] for k in PROMPT_CACHE_GLOBAL if k in record}}
     n = len(record["tokens"])
     if n > max_prompt_tokens:
         raise ValueError(f"a target record has {n} prompt tokens > data.max_prompt_tokens={max_prompt_tokens}; "
@@ -250,7 +271,7 @@ def _layers_first(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def train_dataset(records: Any, *, batch_size: int, seed: int, max_prompt_tokens: int,
                   max_response_tokens: int | None = None, process_index: int = 0,
-                  process_count: int = 1) -> grain.IterDataset:
+                  process_count: int = 1, query_aware: bool = True) -> grain.IterDataset:
     """Endless batches of this process's rows: {"tokens" [b, T], "positions" [b, T], and "target"
     [L, b, Hq, T] or "response" / "response_positions" [b, Y]} with b = batch_size // process_count.
     Every epoch is a fresh permutation of `records` under `seed`."""
@@ -259,6 +280,7 @@ def train_dataset(records: Any, *, batch_size: int, seed: int, max_prompt_tokens
     if len(records) < batch_size:
         raise ValueError(f"{len(records)} target records are fewer than train.batch_size={batch_size}")
     ds = grain.MapDataset.source(records).shuffle(seed=seed).repeat(None)
-    ds = ds[process_index::process_count].map(lambda r: to_example(r, max_prompt_tokens, max_response_tokens))
+    ds = ds[process_index::process_count].map(lambda r: to_example(r, max_prompt_tokens, max_response_tokens,
+                                                                 query_aware))
     ds = ds.batch(batch_size // process_count, drop_remainder=True).map(_layers_first)
     return ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))

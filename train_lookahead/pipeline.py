@@ -93,7 +93,7 @@ def run(cfg: RunConfig, workdir: str | os.PathLike, *, command: str = "", progre
     data = train_dataset(records, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                          max_prompt_tokens=cfg.data.max_prompt_tokens,
                          max_response_tokens=cfg.targets.max_response_tokens, process_index=jax.process_index(),
-                         process_count=jax.process_count())
+                         process_count=jax.process_count(), query_aware=cfg.train.query_aware)
     adapter = init_adapter(model, cfg.lookahead, jax.random.PRNGKey(cfg.train.seed))
     loss = lookahead_loss(model.config, cfg.lookahead, cfg.train.remat, cfg.train.loss, cfg.train.topk_fraction)
     trained, done = train(loss, adapter.params, model.params,

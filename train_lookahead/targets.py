@@ -41,6 +41,7 @@ from train_lookahead.config import DataSection, TargetsSection
 from train_lookahead.data import encode_record, prompt_source
 
 MANIFEST = "manifest.json"
+CONTEXT_LENGTHS = "context_lengths"  # per record: its context's tokens (the question-agnostic compressed part)
 
 
 # the `kvzip` preset's reconstruction pass (kvjax.policies.kvzip.KVzip's defaults): the teacher "kvzip"
@@ -136,9 +137,10 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
     if targets.teacher != "response":
         settings["teacher"] = targets.teacher
     _check_settings(folder, settings)
-    if (folder / MANIFEST).exists():
-        return folder
     source = prompt_source(data, model.tokenizer)
+    if (folder / MANIFEST).exists():
+        backfill_context_lengths(folder, source)
+        return folder
     limit = _longest_prompt(model.config.max_position_embeddings, targets)
     n_chunks = -(-len(source) // targets.batch_size)
     # every process decides the same pending chunks before any is written (the model is sharded over
@@ -146,7 +148,7 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
     pending = [i for i in range(n_chunks) if not (folder / f"chunk_{i:05d}").exists()]
     multihost_utils.sync_global_devices("train_lookahead: target plan")
     for i in tqdm(pending, desc="targets", disable=not progress):
-        ids, prompts = [], []
+        ids, prompts, contexts = [], [], []
         for j in range(i * targets.batch_size, min(len(source), (i + 1) * targets.batch_size)):
             record = source[j]
             ids_j = encode_record(record, model.tokenizer, data.chat_template)
@@ -158,11 +160,14 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
                 continue
             ids.append(record["id"])
             prompts.append(ids_j)
-        _write_chunk(folder / f"chunk_{i:05d}", ids, prompts and chunk_targets(
+            contexts.append(record.get("context_tokens"))
+        arrays = prompts and chunk_targets(
             model, prompts, max_prompt_tokens=data.max_prompt_tokens,
             max_response_tokens=targets.max_response_tokens, batch_size=targets.batch_size,
-            attention=targets.mode == "stored", with_cache=targets.prompt_cache, teacher=targets.teacher),
-            targets.dtype)
+            attention=targets.mode == "stored", with_cache=targets.prompt_cache, teacher=targets.teacher)
+        if arrays and all(c is not None for c in contexts):
+            arrays[CONTEXT_LENGTHS] = np.array(contexts, np.int32)
+        _write_chunk(folder / f"chunk_{i:05d}", ids, arrays, targets.dtype)
     multihost_utils.sync_global_devices("train_lookahead: targets written")
     counts = [_count(folder / f"chunk_{i:05d}") for i in range(n_chunks)]
     skipped = len(source) - sum(counts)
@@ -173,6 +178,24 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     multihost_utils.sync_global_devices("train_lookahead: manifest written")
     return folder
+
+
+def backfill_context_lengths(folder: pathlib.Path, source: Any) -> None:
+    """Writes context_lengths.npy into finished chunks written before it existed, from the source's records
+    (by id), when every record knows its context (synthetic sources); otherwise leaves the folder as it is."""
+    chunks = [d for d in sorted(folder.glob("chunk_*")) if d.is_dir() and not d.name.endswith(".tmp")]
+    missing = [d for d in chunks if _count(d) and not (d / f"{CONTEXT_LENGTHS}.npy").exists()]
+    if not missing or jax.process_index() != 0:
+        return
+    known = {}
+    for j in range(len(source)):
+        record = source[j]
+        if record.get("context_tokens") is None:
+            return
+        known[record["id"]] = record["context_tokens"]
+    for d in missing:
+        ids = json.loads((d / "ids.json").read_text())
+        np.save(d / f"{CONTEXT_LENGTHS}.npy", np.array([known[i] for i in ids], np.int32))
 
 
 def _longest_prompt(max_positions: int, targets: TargetsSection) -> int:
@@ -258,6 +281,8 @@ class TargetRecords:
             names = ("tokens", "lengths") + (("target",) if self.stored else ("response", "response_lengths"))
             if self.prompt_cache:
                 names += PROMPT_CACHE_GLOBAL + tuple(n for n in PROMPT_CACHE_LOCAL if (d / f"{n}.npy").exists())
+            if (d / f"{CONTEXT_LENGTHS}.npy").exists():
+                names += (CONTEXT_LENGTHS,)
             self._open[chunk] = {k: np.load(d / f"{k}.npy", mmap_mode="r") for k in names}
         return self._open[chunk]
 
@@ -271,7 +296,8 @@ class TargetRecords:
         if self.stored:
             cache = {k: np.asarray(a[k][j, :, :, :n] if k in PROMPT_CACHE_GLOBAL else a[k][j])
                      for k in a if k.startswith("prompt_")}
+            context = {"context_tokens": int(a[CONTEXT_LENGTHS][j])} if CONTEXT_LENGTHS in a else {}
             return {"tokens": np.asarray(a["tokens"][j, :n]), "target": np.asarray(a["target"][j, ..., :n], np.float32),
-                    **cache}
+                    **cache, **context}
         m = int(a["response_lengths"][j])
         return {"tokens": np.asarray(a["tokens"][j, :n]), "response": np.asarray(a["response"][j, :m])}

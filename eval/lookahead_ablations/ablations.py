@@ -63,6 +63,8 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
                        {"lookahead": {"n_tokens": 8}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, False),
     "teacher_kvzip": ("teacher: KVzip's scores of the contexts alone (no response, no question)",
                       {"data": {"sources": [{"query_aware": False}]}, "targets": {"teacher": "kvzip"}}, False),
+    "agnostic_train": ("tokens after the context alone (before the question), loss on its entries",
+                       {"train": {"query_aware": False}}, False),
     "gqa_max": ("max over a KV head's query heads", {"lookahead": {"gqa_reduce": "max"}}, True),
     "no_pooling": ("no max pooling", {"lookahead": {"pooling": None}}, True),
     "kernel_3": ("max pooling over 3 positions (base: 7)", {"lookahead": {"kernel": 3}}, True),
@@ -77,6 +79,8 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "tokens_8_codes_kernel_15": ("tokens_8_codes' adapter, pooling over 15",
                                  {"lookahead": {"n_tokens": 8, "kernel": 15},
                                   "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "tokens_8_codes"),
+    "agnostic_train_kernel_15": ("agnostic_train's adapter, pooling over 15",
+                                 {"lookahead": {"kernel": 15}, "train": {"query_aware": False}}, "agnostic_train"),
 }
 
 

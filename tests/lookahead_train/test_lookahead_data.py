@@ -13,7 +13,7 @@ from kvjax.eval.engine import BUNDLED_MODEL_DIR
 from kvjax.eval.tasks import generate_task
 from kvjax.models.model import load_tokenizer
 from train_lookahead.config import DataSection, SourceSection
-from train_lookahead.data import SEED_OFFSET, prompt_dataset, synthetic_seed, to_example, train_dataset
+from train_lookahead.data import SEED_OFFSET, prompt_dataset, prompt_source, synthetic_seed, to_example, train_dataset
 
 TASKS = ("niah_single_1", "vt")
 
@@ -61,6 +61,12 @@ def test_query_agnostic_synthetic_prompts_are_the_contexts_alone(tokenizer):
         assert agnostic[i]["tokens"] == encode(tokenizer, parts.compressed)
         n = len(agnostic[i]["tokens"])
         assert len(aware[i]["tokens"]) > n and sample["question"] not in tokenizer.decode(agnostic[i]["tokens"])
+        # every record knows its context: the agnostic prompt's tokens, the leading ones of the full prompt
+        records = [src[i] for src in (prompt_source(DataSection(sources=(SourceSection(**src, query_aware=q),)),
+                                                    tokenizer) for q in (True, False))]
+        c = records[0]["context_tokens"]
+        assert records[1]["context_tokens"] == n and n - 2 <= c <= n
+        assert aware[i]["tokens"][:c] == agnostic[i]["tokens"][:c]
 
 
 def test_file_sources(tmp_path, tokenizer):

@@ -208,3 +208,32 @@ def test_kvzip_teacher_config_errors():
         TargetsSection(mode="on_the_fly", teacher="kvzip")
     with pytest.raises(ValueError, match="query_aware: false applies to synthetic sources only"):
         SourceSection(kind="jsonl", path="x.jsonl", query_aware=False)
+
+
+def test_query_agnostic_training_scores_the_context_alone(stories, tmp_path):
+    """train.query_aware: false cuts each record to its context: the lookahead tokens follow the context and the
+    loss covers its entries only, against the whole prompt's target there. With the stored cache it equals the
+    loss of prefilling the context alone; it differs from the query-aware loss; records without a context fail."""
+    cfg = stories.config
+    out = chunk_targets(stories, PROMPTS, max_prompt_tokens=16, max_response_tokens=5, batch_size=3, with_cache=True)
+    contexts = [7, 4, 6]
+    recs = [{"tokens": out["tokens"][b, :len(p)], "target": out["target"][b, ..., :len(p)],
+             "prompt_k": out["prompt_k"][b, :, :, :len(p)], "prompt_v": out["prompt_v"][b, :, :, :len(p)],
+             "context_tokens": c} for b, (p, c) in enumerate(zip(PROMPTS, contexts))]
+
+    def batch(examples):
+        return _layers_first({k: np.stack([e[k] for e in examples]) for k in examples[0]})
+
+    agnostic = batch([to_example(r, 16, query_aware=False) for r in recs])
+    assert (agnostic["positions"] >= 0).sum(axis=1).tolist() == contexts
+    prefill = batch([to_example({"tokens": r["tokens"][:c], "target": r["target"][..., :c]}, 16)
+                     for r, c in zip(recs, contexts)])
+    aware = batch([to_example(r, 16) for r in recs])
+    la = LookaheadConfig(n_tokens=3, rank=2, alpha=4.0)
+    params = jax.tree.map(lambda x: x + 0.05, init_adapter(stories, la, jax.random.PRNGKey(1)).params)
+    loss = jax.jit(lookahead_loss(cfg, la))
+    a, b, c = (float(loss(params, stories.params, x)) for x in (agnostic, prefill, aware))
+    np.testing.assert_allclose(a, b, rtol=1e-5)
+    assert abs(a - c) > 1e-3
+    with pytest.raises(ValueError, match="query_aware: false needs stored targets whose records know their context"):
+        to_example({k: v for k, v in recs[0].items() if k != "context_tokens"}, 16, query_aware=False)
