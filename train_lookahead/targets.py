@@ -12,7 +12,8 @@ A chunk folder holds tokens [n, Tc] int32 (right-padded with 0), lengths [n], ta
 response_lengths [n], ids.json; with `targets.prompt_cache` also the frozen prefill's cache per prompt
 (`kvjax.lookahead.split_prompt_cache`, the batch axis first): prompt_k, prompt_v [n, L, Hkv, Tc, D] in the
 model's dtype (and a sliding-window model's rolling buffers, prompt_local_*), so that training need not
-prefill the prompts again.
+prefill the prompts again; for synthetic prompts also context_lengths [n] (the tokens of each prompt's
+context, the question-agnostic compressed part; `train.query_aware: false` trains on it alone).
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ def model_info(cfg: ModelConfig) -> dict[str, int]:
 class TargetRecords:
     """The finished targets folder as a grain random-access source of {"tokens" [T_i], and
     "target" [L, Hq, T_i] (mode "stored") or "response" [Y_i] (mode "on_the_fly")}, plus with a stored
-    prompt cache its arrays: prompt_k, prompt_v [L, Hkv, T_i, D] (and prompt_local_* [Ll, Hkv, W, ...])."""
+    prompt cache its arrays: prompt_k, prompt_v [L, Hkv, T_i, D] (and prompt_local_* [Ll, Hkv, W, ...]), and
+    "context_tokens" (an int) where the chunk stores context_lengths."""
 
     def __init__(self, folder: str | os.PathLike):
         self.folder = pathlib.Path(folder)

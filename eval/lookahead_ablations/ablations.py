@@ -79,8 +79,6 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "tokens_8_codes_kernel_15": ("tokens_8_codes' adapter, pooling over 15",
                                  {"lookahead": {"n_tokens": 8, "kernel": 15},
                                   "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "tokens_8_codes"),
-    "agnostic_train_kernel_15": ("agnostic_train's adapter, pooling over 15",
-                                 {"lookahead": {"kernel": 15}, "train": {"query_aware": False}}, "agnostic_train"),
 }
 
 
