@@ -1,5 +1,7 @@
 """The generation engine: compile counts, context-then-question mode, stop tokens, sharding."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -174,3 +176,31 @@ def test_question_tokens_pads_questions_into_one_program_without_changing_answer
         generate_settings(stories, contexts, settings, questions=long_q, max_new_tokens=10, stop_tokens=[],
                           question_tokens=128)
     assert compiles.count == 0
+
+
+def test_decode_layer_loop_answers_as_the_scan(stories, monkeypatch):
+    """On a GPU decode runs its layers in a Python loop over per-layer params (no per-step weight copies):
+    the same answers and kept entries as the scan over stacked params, for the full cache, a prefill-time and
+    a decode-time policy (h2o evicts inside the loop)."""
+    from kvjax.engine import Setting, generate_settings, steps
+
+    contexts = _prompts((90, 71))
+    settings = [Setting(None), Setting("snapkv", compression_ratio=0.5), Setting("h2o", budget=40)]
+    stacked, per_layer = types.SimpleNamespace(stacked=True), types.SimpleNamespace(stacked=False)
+    assert not steps.layers_in_a_loop(stacked) and steps.layers_in_a_loop(per_layer)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert steps.layers_in_a_loop(stacked)
+    monkeypatch.undo()
+
+    def run(loop: bool):
+        monkeypatch.setattr(steps, "layers_in_a_loop", lambda cache: loop)
+        steps.decode.clear_cache()
+        try:
+            return generate_settings(stories, contexts, settings, max_new_tokens=12, stop_tokens=[])
+        finally:
+            steps.decode.clear_cache()
+
+    scan, loop = run(False), run(True)
+    for a, b in zip(scan, loop):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.kept, b.kept)

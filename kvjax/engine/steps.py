@@ -231,9 +231,21 @@ class DecodeState:
                             bytes_sum=self.bytes_sum + jnp.where(active, nb, 0.0))
 
 
+# On a GPU the decode loop runs as CUDA graphs, its while loop and conditionals included (XLA's default graphs
+# leave them out: each step then launches its ~500 kernels one by one). Other backends ignore the option.
+DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
+
+
+def layers_in_a_loop(cache: KVCache) -> bool:
+    """Whether decode runs its layers in a Python loop over params split once per layer, rather than a scan
+    over the stacked params: a cache stored per layer needs it, and on a GPU the scan copies each layer's
+    MLP weights at every step (3 copies a layer, a quarter of an H200's decode step; eval/device/README.md)."""
+    return not cache.stacked or jax.default_backend() == "gpu"
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "sampler", "stop_ids", "pad_id", "mesh",
                                              "rope_mode"),
-                   donate_argnames=("cache",))
+                   donate_argnames=("cache",), compiler_options=DECODE_COMPILER_OPTIONS)
 def decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Array, key: jax.Array, plan: Plan | None,
            limit: jax.Array, *, cfg: ModelConfig, steps: int, policy: Policy | None, sampler: Sampler,
            stop_ids: tuple[int, ...], pad_id: int, mesh, rope_mode: str) -> DecodeState:
@@ -256,7 +268,7 @@ def decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Arr
     state = state.count_kept(jnp.ones((B,), bool))
     if (policy is not None or rope_mode != "original") and not cache.stacked:
         raise ValueError("decode: decode-time eviction and rope_mode 'cache_relative' need the dense KVCache layout")
-    layer_params = params if cache.stacked else split_layers(params)  # sliced once, outside the loop
+    layer_params = split_layers(params) if layers_in_a_loop(cache) else params  # sliced once, outside the loop
 
     def cond(s: DecodeState) -> jax.Array:
         return (s.step < limit) & ~jnp.all(s.done)

@@ -10,6 +10,11 @@ the most time, each with its count per token.
 
     python eval/device/probes/decode_profile.py [--tiny] [--prompt N] [--policy snapkv] [--out FILE.json]
 
+Kernels launched from a CUDA graph do not appear on the GPU's stream lines: with the engine's decode in graphs
+(its while loop included, `kvjax.engine.steps.DECODE_COMPILER_OPTIONS`) the kernel rows read 0 and only the
+wall time counts; `XLA_FLAGS=--xla_gpu_enable_command_buffer=` shows the kernels. `--split-layers` splits the
+params per layer before the call (the layer loop the engine runs on GPUs, on any backend).
+
 On a CPU (or with --tiny) it runs the tiny sizes; the CPU trace has no device plane, so the rows are the
 host's XLA thunks (the PjRt client's threads).
 """
@@ -28,6 +33,8 @@ from typing import Any
 import jax
 
 from kvjax import generate
+from kvjax.models.model import Model
+from kvjax.models.forward import split_layers
 from kvjax.bench.device import SIZES, build_model, prompt_ids
 
 
@@ -94,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--short", type=int, default=16)
     p.add_argument("--long", type=int, default=80)
     p.add_argument("--policy", help="a preset at compression_ratio 0.5 (default: the full cache)")
+    p.add_argument("--split-layers", action="store_true",
+                   help="params split per layer once (`split_layers`): the layers run in a Python loop, no scan")
     p.add_argument("--out")
     args = p.parse_args(argv)
     tiny = args.tiny or jax.default_backend() == "cpu"
@@ -101,6 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     length = 256 if tiny else args.prompt
     sz["context_cap"] = length + args.long
     model = build_model(sz)
+    if args.split_layers:
+        model = Model(config=model.config, params=split_layers(model.params))
     prompt = prompt_ids(length, sz["vocab"])
     kw = dict(policy=args.policy, compression_ratio=0.5) if args.policy else {}
 
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         wall_l, ev_l, _ = trace_call(lambda: gen(args.long), f"{tmp}/long")
     extra = args.long - args.short
     row = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "prompt": length,
-           "setting": args.policy or "full", "short": args.short, "long": args.long, "lines": where,
+           "setting": (args.policy or "full") + (" split_layers" if args.split_layers else ""), "short": args.short, "long": args.long, "lines": where,
            "wall_ms_per_token": (wall_l - wall_s) / extra * 1e3, **per_token(ev_s, ev_l, extra)}
     row["busy_fraction"] = row["busy_ms_per_token"] / row["wall_ms_per_token"] if row["wall_ms_per_token"] > 0 else None
     print(f"{row['setting']} at {length} tokens on {row['device']}: {row['wall_ms_per_token']:.2f} ms per token "
