@@ -190,15 +190,16 @@ def test_decode_layer_loop_answers_as_the_scan(stories, monkeypatch):
     assert not steps.layers_in_a_loop(stacked) and steps.layers_in_a_loop(per_layer)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert steps.layers_in_a_loop(stacked)
+    assert steps.decode_program() is not steps._DECODE_PROGRAMS[None]  # compiled with the command buffer option
     monkeypatch.undo()
 
     def run(loop: bool):
         monkeypatch.setattr(steps, "layers_in_a_loop", lambda cache: loop)
-        steps.decode.clear_cache()
+        steps.decode_program().clear_cache()
         try:
             return generate_settings(stories, contexts, settings, max_new_tokens=12, stop_tokens=[])
         finally:
-            steps.decode.clear_cache()
+            steps.decode_program().clear_cache()
 
     scan, loop = run(False), run(True)
     for a, b in zip(scan, loop):

@@ -232,7 +232,7 @@ class DecodeState:
 
 
 # On a GPU the decode loop runs as CUDA graphs, its while loop and conditionals included (XLA's default graphs
-# leave them out: each step then launches its ~500 kernels one by one). Other backends ignore the option.
+# leave them out: each step then launches its ~500 kernels one by one). Given to GPU compiles only.
 DECODE_COMPILER_OPTIONS = {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"}
 
 
@@ -243,12 +243,18 @@ def layers_in_a_loop(cache: KVCache) -> bool:
     return not cache.stacked or jax.default_backend() == "gpu"
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "steps", "policy", "sampler", "stop_ids", "pad_id", "mesh",
-                                             "rope_mode"),
-                   donate_argnames=("cache",), compiler_options=DECODE_COMPILER_OPTIONS)
 def decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Array, key: jax.Array, plan: Plan | None,
            limit: jax.Array, *, cfg: ModelConfig, steps: int, policy: Policy | None, sampler: Sampler,
            stop_ids: tuple[int, ...], pad_id: int, mesh, rope_mode: str) -> DecodeState:
+    """`_decode`, compiled for the default backend (`decode_program`)."""
+    return decode_program()(params, cache, policy_state, first, pos0, key, plan, limit, cfg=cfg, steps=steps,
+                            policy=policy, sampler=sampler, stop_ids=stop_ids, pad_id=pad_id, mesh=mesh,
+                            rope_mode=rope_mode)
+
+
+def _decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Array, key: jax.Array, plan: Plan | None,
+            limit: jax.Array, *, cfg: ModelConfig, steps: int, policy: Policy | None, sampler: Sampler,
+            stop_ids: tuple[int, ...], pad_id: int, mesh, rope_mode: str) -> DecodeState:
     """Decodes up to `limit - 1` (traced, <= steps) tokens after `first` [B] under `lax.while_loop`.
 
     Returns the final `DecodeState` (tokens [B, steps], pad after `limit`). `policy` (with its
@@ -290,3 +296,15 @@ def decode(params, cache: KVCache, policy_state, first: jax.Array, pos0: jax.Arr
         return s.count_kept(active)
 
     return jax.lax.while_loop(cond, body, state)
+
+
+_DECODE_JIT = dict(static_argnames=("cfg", "steps", "policy", "sampler", "stop_ids", "pad_id", "mesh", "rope_mode"),
+                   donate_argnames=("cache",))
+_DECODE_PROGRAMS = {"gpu": jax.jit(_decode, **_DECODE_JIT, compiler_options=DECODE_COMPILER_OPTIONS),
+                    None: jax.jit(_decode, **_DECODE_JIT)}
+
+
+def decode_program():
+    """The jitted `_decode` for the default backend: on GPUs with `DECODE_COMPILER_OPTIONS`."""
+    backend = jax.default_backend()
+    return _DECODE_PROGRAMS["gpu" if backend == "gpu" else None]
