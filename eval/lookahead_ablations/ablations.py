@@ -79,6 +79,8 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "tokens_8_codes_kernel_15": ("tokens_8_codes' adapter, pooling over 15",
                                  {"lookahead": {"n_tokens": 8, "kernel": 15},
                                   "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "tokens_8_codes"),
+    "tokens_8_seed_1": ("tokens_8 with another training seed (init and batch order): its run-to-run spread",
+                        {"lookahead": {"n_tokens": 8}, "train": {"seed": 1}}, False),
     "tokens_8_topk": ("8 lookahead tokens and the ranking loss on the top 25% (the two best trained changes)",
                       {"lookahead": {"n_tokens": 8}, "train": {"loss": "topk", "topk_fraction": 0.25}}, False),
     "tokens_8_topk_kernel_15": ("tokens_8_topk's adapter, pooling over 15",
