@@ -86,6 +86,14 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "tokens_8_topk_kernel_15": ("tokens_8_topk's adapter, pooling over 15",
                                 {"lookahead": {"n_tokens": 8, "kernel": 15},
                                  "train": {"loss": "topk", "topk_fraction": 0.25}}, "tokens_8_topk"),
+    # pooling that leans forward: a strongly attended slot lends its score to the slots after it, the rest of a
+    # value the answer copies from there (a UUID is 31 SmolLM2 tokens; centred pooling kept its first ~17)
+    "codes_after_15": ("data_codes' adapter, pooling over 15 slots leaning forward (a slot's score to the 14 after "
+                       "it)", {"lookahead": {"kernel": 15, "pool_offset": 7},
+                               "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes"),
+    "codes_after_31": ("data_codes' adapter, pooling over 31 slots leaning forward (a slot's score to the 30 after "
+                       "it)", {"lookahead": {"kernel": 31, "pool_offset": 15},
+                               "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes"),
 }
 
 

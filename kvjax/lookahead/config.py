@@ -30,6 +30,10 @@ class LookaheadConfig:
       ("q", "k", "v", "o", "gate", "up", "down").
     gqa_reduce: "mean" or "max" over the query heads of a KV head (scores per KV head).
     pooling: "max" (kernel `kernel`, odd) or None, along the prompt positions.
+    pool_offset: moves the pooling window back, 0 <= pool_offset <= kernel // 2: slot j takes the max over
+      j - kernel//2 - pool_offset .. j + kernel//2 - pool_offset, so a strongly attended slot lends its score
+      to the kernel//2 + pool_offset slots after it (the rest of a value an answer copies from there on)
+      and to kernel//2 - pool_offset before it. 0: centred (SnapKV's pooling).
     protect_last: the last prompt tokens always kept (0: none).
     """
 
@@ -41,6 +45,7 @@ class LookaheadConfig:
     gqa_reduce: str = "mean"
     pooling: str | None = "max"
     kernel: int = 7
+    pool_offset: int = 0
     protect_last: int = 0
 
     def __post_init__(self) -> None:
@@ -66,6 +71,10 @@ class LookaheadConfig:
         _int("kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise ValueError(f"LookaheadConfig.kernel must be odd (same-padding pooling), got {self.kernel}")
+        _int("pool_offset", self.pool_offset, 0)
+        if self.pool_offset > self.kernel // 2:
+            raise ValueError(f"LookaheadConfig.pool_offset must be in [0, kernel // 2 = {self.kernel // 2}] (the "
+                             f"window keeps its own slot), got {self.pool_offset}")
         _int("protect_last", self.protect_last, 0)
 
     @property

@@ -50,7 +50,7 @@ class LookaheadKV(PrefillPolicy):
       for the bundled model's adapter (kvjax/assets/lookahead). Loaded when first needed; a missing
       bundled adapter raises FileNotFoundError saying how to pass one.
     Query-aware by default (the paper); `query_aware=False` scores the context alone in the eval's
-    context-then-question mode. Scoring options (gqa_reduce, pooling, kernel, protect_last) are
+    context-then-question mode. Scoring options (gqa_reduce, pooling, kernel, pool_offset, protect_last) are
     the adapter's `LookaheadConfig`.
     """
 
@@ -121,7 +121,7 @@ class LookaheadKV(PrefillPolicy):
         lengths = as_i32(plan.lengths)
         w = conf.protect_last
         cand = cache.valid & (cache.pos < (lengths - w)[None, :, None, None])
-        s = pool1d(s, cand, conf.kernel, "none" if conf.pooling is None else conf.pooling)
+        s = pool1d(s, cand, conf.kernel, "none" if conf.pooling is None else conf.pooling, conf.pool_offset)
         s = jnp.where(cand, s, 0.0)
         protected = window_protected(cache.pos, cache.valid, lengths, w) if w else jnp.zeros_like(cache.valid)
         log_pref = None

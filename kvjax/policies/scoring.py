@@ -76,16 +76,20 @@ def last_window(obs: Observations, w: int) -> tuple[jax.Array, jax.Array]:
     return q[:, :, :, q.shape[3] - w :, :], p[:, p.shape[1] - w :]
 
 
-def pool1d(x: jax.Array, region: jax.Array, kernel: int, kind: str) -> jax.Array:
+def pool1d(x: jax.Array, region: jax.Array, kernel: int, kind: str, offset: int = 0) -> jax.Array:
     """Stride-1 'same' pooling along the last axis over the slots in `region` (policies.md §1.8).
 
-    Slots outside `region` act as padding: zeros for "avg" (every output divided by `kernel`, as
-    PyTorch's count_include_pad) and -inf for "max". The region must be contiguous.
+    Slot j pools slots j - kernel//2 - offset .. j + kernel//2 - offset: offset 0 is centred; a positive
+    offset (at most kernel//2) moves the window back, so a high slot lends its value to more of the slots
+    after it than before. Slots outside `region` act as padding: zeros for "avg" (every output divided by
+    `kernel`, as PyTorch's count_include_pad) and -inf for "max". The region must be contiguous.
     """
     check_choice("pooling", kind, POOLINGS)
+    if not 0 <= offset <= kernel // 2:
+        raise ValueError(f"pool1d: offset must be in [0, kernel // 2 = {kernel // 2}], got {offset}")
     if kind == "none" or kernel <= 1:
         return jnp.where(region, x, 0)
-    pad = [(0, 0)] * (x.ndim - 1) + [(kernel // 2, kernel // 2)]
+    pad = [(0, 0)] * (x.ndim - 1) + [(kernel // 2 + offset, kernel // 2 - offset)]
     dims = (1,) * (x.ndim - 1) + (kernel,)
     strides = (1,) * x.ndim
     if kind == "avg":

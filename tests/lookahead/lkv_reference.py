@@ -93,12 +93,13 @@ def response(P, cfg, prompt, resp):
     return probs[:, :, T:, :T].mean(axis=2)
 
 
-def pool_max(x, region_len, kernel):
-    """Max pooling along the last axis over positions < region_len (-inf padding), 0 elsewhere."""
+def pool_max(x, region_len, kernel, offset=0):
+    """Max pooling along the last axis over positions < region_len (-inf padding), 0 elsewhere; position j
+    takes the max over j - kernel//2 - offset .. j + kernel//2 - offset."""
     out = np.zeros_like(x)
     r = kernel // 2
     for j in range(region_len):
-        lo, hi = max(0, j - r), min(region_len, j + r + 1)
+        lo, hi = max(0, j - r - offset), min(region_len, j + r - offset + 1)
         out[..., j] = x[..., lo:hi].max(-1)
     return out
 
@@ -111,7 +112,7 @@ def scores(s_tilde, cfg, config, T):
     region = T - config.protect_last
     if config.pooling is None:
         return np.where(np.arange(T) < region, red, 0.0)
-    return pool_max(red, region, config.kernel)
+    return pool_max(red, region, config.kernel, config.pool_offset)
 
 
 def topk(target, pred, fraction):
