@@ -94,6 +94,19 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "codes_after_31": ("data_codes' adapter, pooling over 31 slots leaning forward (a slot's score to the 30 after "
                        "it)", {"lookahead": {"kernel": 31, "pool_offset": 15},
                                "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes"),
+    # the raw scores peak on a needle's key and on the end of its value, and sag inside it (value_coverage.py)
+    "codes_bridge_16": ("data_codes' adapter, pooling over 15, valleys up to 16 slots each side bridged",
+                        {"lookahead": {"kernel": 15, "bridge": 16},
+                         "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes"),
+    "codes_bridge_32": ("data_codes' adapter, pooling over 15, valleys up to 32 slots each side bridged",
+                        {"lookahead": {"kernel": 15, "bridge": 32},
+                         "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes"),
+    # tokens_8_seed_1 moved 11 points from tokens_8: a trained variant's difference needs its own spread
+    "data_codes_seed_1": ("data_codes with another training seed (init and batch order)",
+                          {"train": {"seed": 1}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, False),
+    "codes_seed_1_kernel_15": ("data_codes_seed_1's adapter, pooling over 15",
+                               {"lookahead": {"kernel": 15}, "train": {"seed": 1},
+                                "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes_seed_1"),
 }
 
 

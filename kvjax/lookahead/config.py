@@ -29,6 +29,10 @@ class LookaheadConfig:
     projections: the linear layers of every decoder layer that carry a LoRA, a subset of
       ("q", "k", "v", "o", "gate", "up", "down").
     gqa_reduce: "mean" or "max" over the query heads of a KV head (scores per KV head).
+    bridge: before pooling, a slot with higher scores within `bridge` slots on both sides takes the lower of
+      the two (`kvjax.policies.scoring.bridge1d`): the lookahead tokens attend to a needle's key and to the
+      end of its value but little to the value's inner tokens (a UUID's last 20 of 31), and bridging keeps
+      the run between them. 0: off.
     pooling: "max" (kernel `kernel`, odd) or None, along the prompt positions.
     pool_offset: moves the pooling window back, 0 <= pool_offset <= kernel // 2: slot j takes the max over
       j - kernel//2 - pool_offset .. j + kernel//2 - pool_offset, so a strongly attended slot lends its score
@@ -43,6 +47,7 @@ class LookaheadConfig:
     alpha: float = 32.0
     projections: tuple[str, ...] = PROJECTIONS
     gqa_reduce: str = "mean"
+    bridge: int = 0
     pooling: str | None = "max"
     kernel: int = 7
     pool_offset: int = 0
@@ -68,6 +73,7 @@ class LookaheadConfig:
             raise ValueError(f"LookaheadConfig.gqa_reduce must be one of {GQA_REDUCES}, got {self.gqa_reduce!r}")
         if self.pooling not in POOLINGS:
             raise ValueError(f"LookaheadConfig.pooling must be one of {POOLINGS}, got {self.pooling!r}")
+        _int("bridge", self.bridge, 0)
         _int("kernel", self.kernel, 1)
         if self.kernel % 2 == 0:
             raise ValueError(f"LookaheadConfig.kernel must be odd (same-padding pooling), got {self.kernel}")

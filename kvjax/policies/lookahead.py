@@ -4,8 +4,9 @@ The engine runs the adapter's n tokens after the prompt (LoRA on their rows, nev
 cache: the `LookaheadTokens` observation, with the adapter params as this policy's
 `observation_inputs`) and hands over their attention mass per query head, `Observations.query_mass`
 [L,B,Hq,C];
-this policy turns it into scores: s̃ = mass / n, reduced over the query group (mean or max), then
-max-pooled along positions (or not), exactly as configured in the adapter's `LookaheadConfig`.
+this policy turns it into scores: s̃ = mass / n, reduced over the query group (mean or max), valleys
+between attended slots bridged (or not), then max-pooled along positions (or not), exactly as configured
+in the adapter's `LookaheadConfig`.
 
 Any allocator composes (the `ada_lookahead_kv`, `layer_lookahead_kv`, `cake_lookahead_kv` presets), and
 CriticalKV wraps it (`critical_lookahead_kv`). With `Cake(preference="scorer")` CAKE's layer
@@ -34,7 +35,7 @@ from kvjax.policies.allocators import Ada, Allocator, Cake, Global, cake_log_pre
 from kvjax.policies.base import Plan, Policy, Requirements, as_i32, window_protected
 from kvjax.policies.critical import CriticalKV
 from kvjax.policies.prefill import PrefillPolicy
-from kvjax.policies.scoring import Scored, group_reduce_fn, pool1d
+from kvjax.policies.scoring import Scored, bridge1d, group_reduce_fn, pool1d
 
 
 @functools.lru_cache(maxsize=8)
@@ -50,7 +51,8 @@ class LookaheadKV(PrefillPolicy):
       for the bundled model's adapter (kvjax/assets/lookahead). Loaded when first needed; a missing
       bundled adapter raises FileNotFoundError saying how to pass one.
     Query-aware by default (the paper); `query_aware=False` scores the context alone in the eval's
-    context-then-question mode. Scoring options (gqa_reduce, pooling, kernel, pool_offset, protect_last) are
+    context-then-question mode. Scoring options (gqa_reduce, bridge, pooling, kernel, pool_offset,
+    protect_last) are
     the adapter's `LookaheadConfig`.
     """
 
@@ -121,6 +123,7 @@ class LookaheadKV(PrefillPolicy):
         lengths = as_i32(plan.lengths)
         w = conf.protect_last
         cand = cache.valid & (cache.pos < (lengths - w)[None, :, None, None])
+        s = bridge1d(s, cand, conf.bridge)
         s = pool1d(s, cand, conf.kernel, "none" if conf.pooling is None else conf.pooling, conf.pool_offset)
         s = jnp.where(cand, s, 0.0)
         protected = window_protected(cache.pos, cache.valid, lengths, w) if w else jnp.zeros_like(cache.valid)

@@ -98,6 +98,25 @@ def pool1d(x: jax.Array, region: jax.Array, kernel: int, kind: str, offset: int 
     return jax.lax.reduce_window(jnp.where(region, x, -jnp.inf), -jnp.inf, jax.lax.max, dims, strides, pad)
 
 
+def bridge1d(x: jax.Array, region: jax.Array, reach: int) -> jax.Array:
+    """Fills valleys between high slots along the last axis: slot j takes max(x_j, min(max x over
+    j-reach .. j, max x over j .. j+reach)), over the slots in `region` (others are padding and left as
+    they are). A run of low slots flanked within `reach` on both sides by higher ones rises to the lower
+    flank; a lone peak does not spread (unlike max pooling). reach 0: x unchanged. The region must be
+    contiguous.
+    """
+    if reach < 0:
+        raise ValueError(f"bridge1d: reach must be >= 0, got {reach}")
+    if reach == 0:
+        return x
+    xm = jnp.where(region, x, -jnp.inf)
+    dims, strides = (1,) * (x.ndim - 1) + (reach + 1,), (1,) * x.ndim
+    lead = [(0, 0)] * (x.ndim - 1)
+    left = jax.lax.reduce_window(xm, -jnp.inf, jax.lax.max, dims, strides, lead + [(reach, 0)])
+    right = jax.lax.reduce_window(xm, -jnp.inf, jax.lax.max, dims, strides, lead + [(0, reach)])
+    return jnp.where(region, jnp.maximum(x, jnp.minimum(left, right)), x)
+
+
 class Scored(NamedTuple):
     """A prefill scorer's output.
 

@@ -104,12 +104,25 @@ def pool_max(x, region_len, kernel, offset=0):
     return out
 
 
+def bridge(x, region_len, reach):
+    """Valleys filled along the last axis over positions < region_len: x_j -> max(x_j, min(max of the reach+1
+    positions ending at j, max of those starting at j)), each side clipped to the region."""
+    out = x.copy()
+    for j in range(region_len):
+        left = x[..., max(0, j - reach):j + 1].max(-1)
+        right = x[..., j:min(region_len, j + reach + 1)].max(-1)
+        out[..., j] = np.maximum(x[..., j], np.minimum(left, right))
+    return out
+
+
 def scores(s_tilde, cfg, config, T):
     """The policy's per-(layer, KV head) scores [L,Hkv,T] from s̃ [L,Hq,T]: GQA reduce, then pooling."""
     L, Hq, _ = s_tilde.shape
     g = s_tilde.reshape(L, cfg.num_kv_heads, Hq // cfg.num_kv_heads, T)
     red = g.mean(2) if config.gqa_reduce == "mean" else g.max(2)
     region = T - config.protect_last
+    if config.bridge:
+        red = bridge(red, region, config.bridge)
     if config.pooling is None:
         return np.where(np.arange(T) < region, red, 0.0)
     return pool_max(red, region, config.kernel, config.pool_offset)

@@ -33,6 +33,7 @@ def test_config_defaults_and_from_dict():
     ("kernel", 4, "kernel must be odd"),
     ("pool_offset", 4, r"pool_offset must be in \[0, kernel // 2 = 3\]"),
     ("pool_offset", -1, "pool_offset must be an int >= 0"),
+    ("bridge", -1, "bridge must be an int >= 0"),
     ("projections", ("q", "attn"), "projections must be distinct names from"),
     ("n_tokens", 0, "n_tokens must be an int >= 1"),
     ("rank", 0, "rank must be an int >= 1"),
