@@ -30,9 +30,9 @@ class LookaheadConfig:
       ("q", "k", "v", "o", "gate", "up", "down").
     gqa_reduce: "mean" or "max" over the query heads of a KV head (scores per KV head).
     bridge: before pooling, a slot with higher scores within `bridge` slots on both sides takes the lower of
-      the two (`kvjax.policies.scoring.bridge1d`): the lookahead tokens attend to a needle's key and to the
-      end of its value but little to the value's inner tokens (a UUID's last 20 of 31), and bridging keeps
-      the run between them. 0: off.
+      the two (`kvjax.policies.scoring.bridge1d`; two peaks up to bridge + 1 apart get the whole run between
+      them filled): the lookahead tokens attend to a needle's key and to the end of its value but little to
+      the value's inner tokens (a UUID's last 20 of 31), and bridging keeps the run between them. 0: off.
     pooling: "max" (kernel `kernel`, odd) or None, along the prompt positions.
     pool_offset: moves the pooling window back, 0 <= pool_offset <= kernel // 2: slot j takes the max over
       j - kernel//2 - pool_offset .. j + kernel//2 - pool_offset, so a strongly attended slot lends its score
