@@ -217,6 +217,30 @@ def _scores(name: str) -> dict[str, dict[str, float]]:
     return out
 
 
+# (the same recipe at another seed, the variant it repeats): their difference is training noise alone
+SEED_PAIRS = {"tokens_8_seed_1": "tokens_8", "data_codes_seed_1": "data_codes",
+              "codes_seed_1_kernel_15": "codes_kernel_15"}
+
+
+def _paired(got: dict[str, float], ref: dict[str, float]) -> str:
+    """got - ref over the shared samples, in points, ± its standard error stratified by task ("" if none)."""
+    by_task: dict[str, list[float]] = {}
+    for k in got:
+        if k in ref:
+            by_task.setdefault(k.rsplit("/", 1)[0], []).append(100 * (got[k] - ref[k]))
+    return plus_minus(*task_mean_se(by_task), sign=True) if by_task else ""
+
+
+def _reference_rows(policy: str) -> dict[str, dict[str, float]]:
+    """{setting: {sample_id: score}} of `policy` in the recorded agnostic run (the training-free rows)."""
+    out: dict[str, dict[str, float]] = {}
+    for line in FULL_ROWS.read_text().splitlines():
+        r = json.loads(line)
+        if r["policy"] == policy and r.get("score") is not None:
+            out.setdefault(r["setting"], {})[r["sample_id"]] = r["score"]
+    return out
+
+
 def table() -> str:
     lines = ["# LookaheadKV recipe ablations, SmolLM2-135M-Instruct, out of distribution (issue 27)", "",
              "Trained on `ood_train` (kvjax.data.lines) only (the `*_codes` variants: `ood_train_codes`, the same "
@@ -248,17 +272,31 @@ def table() -> str:
                 continue
             cells.append(f"{100 * sum(got.values()) / len(got):.1f}")
             counts.append(str(len(got)))
-            by_task: dict[str, list[float]] = {}
-            for k in got:
-                if k in base.get(setting, {}):
-                    by_task.setdefault(k.rsplit("/", 1)[0], []).append(100 * (got[k] - base[setting][k]))
-            mean, se = task_mean_se(by_task)
-            diffs.append(plus_minus(mean, se, sign=True) if by_task and name != "base" else "")
+            diffs.append(_paired(got, base.get(setting, {})) if name != "base" else "")
         lines.append(f"| {name} | {desc} | {train} | {cells[0]} | {cells[1]} | {diffs[0]} | {diffs[1]} | "
                      f"{'/'.join(counts)} |")
     full = _scores("base").get("full", {})
     if full:
         lines += ["", f"Full cache on the same samples: {100 * sum(full.values()) / len(full):.1f} ({len(full)})."]
+    kvzip = _reference_rows("kvzip")
+    if kvzip and base:
+        cells = [f"{100 * sum(kvzip[k][i] for i in base[k]) / len(base[k]):.1f}" for k in ("r=0.5", "r=0.75")
+                 if k in kvzip and k in base and all(i in kvzip[k] for i in base[k])]
+        if len(cells) == 2:
+            lines.append(f"KVzip (training-free, 5.5x the prefill) on the same samples: {cells[0]} / {cells[1]}.")
+    spread = []
+    for name, of in SEED_PAIRS.items():
+        a, b = _scores(name), _scores(of)
+        if a.get("r=0.5") and b.get("r=0.5"):
+            spread.append(f"| {name} - {of} | " + " | ".join(_paired(a.get(k, {}), b.get(k, {})) for k in
+                                                               ("r=0.5", "r=0.75")) + " |")
+    if spread:
+        lines += ["", "## Run-to-run spread", "",
+                  "The same recipe trained again with another seed (LoRA init and batch order), scored on the same "
+                  "samples: the difference is training noise, which the ± above (sample noise, one adapter each) "
+                  "leaves out. A trained variant's difference from the base smaller than this spread is not a "
+                  "finding; an eval-only variant's (the same adapter, scored another way) is not subject to it.", "",
+                  "| pair | diff r=0.5 | diff r=0.75 |", "|---|---:|---:|", *spread]
     return "\n".join(lines) + "\n"
 
 
