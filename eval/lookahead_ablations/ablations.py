@@ -95,12 +95,19 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
                        "it)", {"lookahead": {"kernel": 31, "pool_offset": 15},
                                "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes"),
     # the raw scores peak on a needle's key and on the end of its value, and sag inside it (value_coverage.py)
-    "codes_bridge_16": ("data_codes' adapter, pooling over 15, valleys up to 16 slots each side bridged",
-                        {"lookahead": {"kernel": 15, "bridge": 16},
-                         "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes"),
     "codes_bridge_32": ("data_codes' adapter, pooling over 15, valleys up to 32 slots each side bridged",
                         {"lookahead": {"kernel": 15, "bridge": 32},
                          "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes"),
+    # centred and forward at once: a peak lends to the 23 slots after it and the 7 before
+    "codes_k31_o8": ("data_codes' adapter, pooling over 31 slots, offset 8 (a slot's score to the 23 after it, "
+                     "the 7 before)", {"lookahead": {"kernel": 31, "pool_offset": 8},
+                                       "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes"),
+    "tokens_8_codes_after_31": ("tokens_8_codes' adapter, pooling as codes_after_31",
+                                {"lookahead": {"n_tokens": 8, "kernel": 31, "pool_offset": 15},
+                                 "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "tokens_8_codes"),
+    "tokens_8_codes_k31_o8": ("tokens_8_codes' adapter, pooling as codes_k31_o8",
+                              {"lookahead": {"n_tokens": 8, "kernel": 31, "pool_offset": 8},
+                               "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "tokens_8_codes"),
     # tokens_8_seed_1 moved 11 points from tokens_8: a trained variant's difference needs its own spread
     "data_codes_seed_1": ("data_codes with another training seed (init and batch order)",
                           {"train": {"seed": 1}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, False),
