@@ -108,6 +108,15 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "tokens_8_codes_k31_o8": ("tokens_8_codes' adapter, pooling as codes_k31_o8",
                               {"lookahead": {"n_tokens": 8, "kernel": 31, "pool_offset": 8},
                                "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "tokens_8_codes"),
+    # the tail without the budget: slots after a peak get half its score, outranking weak slots, not other peaks
+    "tokens_8_codes_tail_30": ("tokens_8_codes' adapter, pooling over 15, and a slot at least half the highest "
+                               "score of the 30 before it", {"lookahead": {"n_tokens": 8, "kernel": 15, "tail": 30,
+                                                                           "tail_weight": 0.5},
+                                                             "data": {"sources": [{"tasks": ["ood_train_codes"]}]}},
+                               "tokens_8_codes"),
+    "tokens_8_codes_tail_30_w25": ("as tokens_8_codes_tail_30, a quarter of the score",
+                                   {"lookahead": {"n_tokens": 8, "kernel": 15, "tail": 30, "tail_weight": 0.25},
+                                    "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "tokens_8_codes"),
     # tokens_8_seed_1 moved 11 points from tokens_8: a trained variant's difference needs its own spread
     "data_codes_seed_1": ("data_codes with another training seed (init and batch order)",
                           {"train": {"seed": 1}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, False),

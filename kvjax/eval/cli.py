@@ -58,7 +58,7 @@ RUN_IDENTITY = ("model", "context_length", "seed", "query_aware", "max_new_token
                 "prefill_chunk", "cache_layout")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOOKAHEAD_PRESETS = frozenset(lookahead_presets())  # they run a LookaheadKV adapter (--lookahead)
-LOOKAHEAD_OPTIONS = ("kernel", "pool_offset", "bridge", "pooling", "gqa_reduce", "protect_last")  # read at inference, not trained
+LOOKAHEAD_OPTIONS = ("kernel", "pool_offset", "bridge", "tail", "tail_weight", "pooling", "gqa_reduce", "protect_last")  # read at inference, not trained
 KV_QUANT_PRESETS = tuple(_KV_QUANT)  # the names --kv-quant accepts, beside "none"
 
 EPILOG = """\
@@ -337,13 +337,27 @@ def _lookahead_options(items: list[str] | None, parser: argparse.ArgumentParser)
         name, sep, value = item.partition("=")
         if not sep or name not in LOOKAHEAD_OPTIONS:
             parser.error(f"--lookahead-option {item!r}: expected NAME=VALUE with NAME one of {LOOKAHEAD_OPTIONS}")
-        out[name] = int(value) if name in ("kernel", "pool_offset", "bridge", "protect_last") and value.lstrip("-").isdigit() else \
-            None if value == "none" else value
+        out[name] = _option_value(name, value)
     try:
         LookaheadConfig(**out)
     except (TypeError, ValueError) as err:
         parser.error(f"--lookahead-option: {err}")
     return out
+
+
+def _option_value(name: str, value: str) -> Any:
+    """A --lookahead-option value as LookaheadConfig takes it: ints, tail_weight a float, "none" None (a
+    malformed number stays a string, for the config's check to name)."""
+    if value == "none":
+        return None
+    try:
+        if name in ("kernel", "pool_offset", "bridge", "tail", "protect_last"):
+            return int(value)
+        if name == "tail_weight":
+            return float(value)
+    except ValueError:
+        pass
+    return value
 
 
 def _lookahead_adapter(cfg: dict[str, Any], required: bool = False) -> Any:

@@ -38,6 +38,10 @@ class LookaheadConfig:
       j - kernel//2 - pool_offset .. j + kernel//2 - pool_offset, so a strongly attended slot lends its score
       to the kernel//2 + pool_offset slots after it (the rest of a value an answer copies from there on)
       and to kernel//2 - pool_offset before it. 0: centred (SnapKV's pooling).
+    tail, tail_weight: after pooling, each slot takes at least tail_weight x the highest (unpooled) score of
+      the `tail` slots before it: the slots after a strongly attended one (the rest of a value that starts
+      there) outrank weakly scored slots without outranking other peaks' neighbourhoods, as a wide forward
+      window (pool_offset) would. tail 0: off.
     protect_last: the last prompt tokens always kept (0: none).
     """
 
@@ -51,6 +55,8 @@ class LookaheadConfig:
     pooling: str | None = "max"
     kernel: int = 7
     pool_offset: int = 0
+    tail: int = 0
+    tail_weight: float = 0.5
     protect_last: int = 0
 
     def __post_init__(self) -> None:
@@ -81,6 +87,11 @@ class LookaheadConfig:
         if self.pool_offset > self.kernel // 2:
             raise ValueError(f"LookaheadConfig.pool_offset must be in [0, kernel // 2 = {self.kernel // 2}] (the "
                              f"window keeps its own slot), got {self.pool_offset}")
+        _int("tail", self.tail, 0)
+        if isinstance(self.tail_weight, bool) or not isinstance(self.tail_weight, (int, float)) or \
+                not 0 < self.tail_weight <= 1:
+            raise ValueError(f"LookaheadConfig.tail_weight must be a float in (0, 1], got {self.tail_weight!r}")
+        object.__setattr__(self, "tail_weight", float(self.tail_weight))
         _int("protect_last", self.protect_last, 0)
 
     @property

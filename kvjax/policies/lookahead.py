@@ -5,8 +5,9 @@ cache: the `LookaheadTokens` observation, with the adapter params as this policy
 `observation_inputs`) and hands over their attention mass per query head, `Observations.query_mass`
 [L,B,Hq,C];
 this policy turns it into scores: s̃ = mass / n, reduced over the query group (mean or max), valleys
-between attended slots bridged (or not), then max-pooled along positions (or not), exactly as configured
-in the adapter's `LookaheadConfig`.
+between attended slots bridged (or not), max-pooled along positions (or not), and each slot raised to
+tail_weight x the highest score of the `tail` slots before it (or not), exactly as configured in the
+adapter's `LookaheadConfig`.
 
 Any allocator composes (the `ada_lookahead_kv`, `layer_lookahead_kv`, `cake_lookahead_kv` presets), and
 CriticalKV wraps it (`critical_lookahead_kv`). With `Cake(preference="scorer")` CAKE's layer
@@ -35,7 +36,7 @@ from kvjax.policies.allocators import Ada, Allocator, Cake, Global, cake_log_pre
 from kvjax.policies.base import Plan, Policy, Requirements, as_i32, window_protected
 from kvjax.policies.critical import CriticalKV
 from kvjax.policies.prefill import PrefillPolicy
-from kvjax.policies.scoring import Scored, bridge1d, group_reduce_fn, pool1d
+from kvjax.policies.scoring import Scored, bridge1d, group_reduce_fn, pool1d, trail1d
 
 
 @functools.lru_cache(maxsize=8)
@@ -52,7 +53,7 @@ class LookaheadKV(PrefillPolicy):
       bundled adapter raises FileNotFoundError saying how to pass one.
     Query-aware by default (the paper); `query_aware=False` scores the context alone in the eval's
     context-then-question mode. Scoring options (gqa_reduce, bridge, pooling, kernel, pool_offset,
-    protect_last) are
+    tail, tail_weight, protect_last) are
     the adapter's `LookaheadConfig`.
     """
 
@@ -123,8 +124,11 @@ class LookaheadKV(PrefillPolicy):
         lengths = as_i32(plan.lengths)
         w = conf.protect_last
         cand = cache.valid & (cache.pos < (lengths - w)[None, :, None, None])
+        raw = s
         s = bridge1d(s, cand, conf.bridge)
         s = pool1d(s, cand, conf.kernel, "none" if conf.pooling is None else conf.pooling, conf.pool_offset)
+        if conf.tail:
+            s = jnp.maximum(s, conf.tail_weight * trail1d(raw, cand, conf.tail))
         s = jnp.where(cand, s, 0.0)
         protected = window_protected(cache.pos, cache.valid, lengths, w) if w else jnp.zeros_like(cache.valid)
         log_pref = None

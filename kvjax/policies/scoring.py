@@ -98,6 +98,13 @@ def pool1d(x: jax.Array, region: jax.Array, kernel: int, kind: str, offset: int 
     return jax.lax.reduce_window(jnp.where(region, x, -jnp.inf), -jnp.inf, jax.lax.max, dims, strides, pad)
 
 
+def _window_max(x: jax.Array, before: int, after: int) -> jax.Array:
+    """Max along the last axis over slots j - before .. j + after (-inf beyond the ends)."""
+    dims, strides = (1,) * (x.ndim - 1) + (before + after + 1,), (1,) * x.ndim
+    pad = [(0, 0)] * (x.ndim - 1) + [(before, after)]
+    return jax.lax.reduce_window(x, -jnp.inf, jax.lax.max, dims, strides, pad)
+
+
 def bridge1d(x: jax.Array, region: jax.Array, reach: int) -> jax.Array:
     """Fills valleys between high slots along the last axis: slot j takes max(x_j, min(max x over
     j-reach .. j, max x over j .. j+reach)), over the slots in `region` (others are padding and left as
@@ -110,11 +117,17 @@ def bridge1d(x: jax.Array, region: jax.Array, reach: int) -> jax.Array:
     if reach == 0:
         return x
     xm = jnp.where(region, x, -jnp.inf)
-    dims, strides = (1,) * (x.ndim - 1) + (reach + 1,), (1,) * x.ndim
-    lead = [(0, 0)] * (x.ndim - 1)
-    left = jax.lax.reduce_window(xm, -jnp.inf, jax.lax.max, dims, strides, lead + [(reach, 0)])
-    right = jax.lax.reduce_window(xm, -jnp.inf, jax.lax.max, dims, strides, lead + [(0, reach)])
-    return jnp.where(region, jnp.maximum(x, jnp.minimum(left, right)), x)
+    filled = jnp.minimum(_window_max(xm, reach, 0), _window_max(xm, 0, reach))
+    return jnp.where(region, jnp.maximum(x, filled), x)
+
+
+def trail1d(x: jax.Array, region: jax.Array, reach: int) -> jax.Array:
+    """The max of the `reach` slots before each slot along the last axis, over the slots in `region`
+    (-inf where none is in it): what a value's tail inherits from the slots that start it. [..., C]."""
+    if reach < 1:
+        raise ValueError(f"trail1d: reach must be >= 1, got {reach}")
+    w = _window_max(jnp.where(region, x, -jnp.inf), reach - 1, 0)  # slots j-reach+1 .. j, then shifted by one
+    return jnp.concatenate([jnp.full(x.shape[:-1] + (1,), -jnp.inf, w.dtype), w[..., :-1]], axis=-1)
 
 
 class Scored(NamedTuple):

@@ -116,16 +116,20 @@ def bridge(x, region_len, reach):
 
 
 def scores(s_tilde, cfg, config, T):
-    """The policy's per-(layer, KV head) scores [L,Hkv,T] from s̃ [L,Hq,T]: GQA reduce, then pooling."""
+    """The policy's per-(layer, KV head) scores [L,Hkv,T] from s̃ [L,Hq,T]: GQA reduce, bridging, pooling, tail."""
     L, Hq, _ = s_tilde.shape
     g = s_tilde.reshape(L, cfg.num_kv_heads, Hq // cfg.num_kv_heads, T)
     red = g.mean(2) if config.gqa_reduce == "mean" else g.max(2)
     region = T - config.protect_last
+    raw = red
     if config.bridge:
         red = bridge(red, region, config.bridge)
-    if config.pooling is None:
-        return np.where(np.arange(T) < region, red, 0.0)
-    return pool_max(red, region, config.kernel, config.pool_offset)
+    out = np.where(np.arange(T) < region, red, 0.0) if config.pooling is None else \
+        pool_max(red, region, config.kernel, config.pool_offset)
+    for j in range(1, region):  # the tail: tail_weight x the highest raw score of the `tail` slots before
+        if config.tail:
+            out[..., j] = np.maximum(out[..., j], config.tail_weight * raw[..., max(0, j - config.tail):j].max(-1))
+    return out
 
 
 def topk(target, pred, fraction):

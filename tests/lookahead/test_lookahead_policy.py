@@ -34,7 +34,9 @@ def _engine_scores(model, policy, toks, pos, budget):
 
 @pytest.mark.parametrize("changes", [{}, {"gqa_reduce": "max", "pooling": None}, {"protect_last": 3, "kernel": 5},
                                      {"kernel": 7, "pool_offset": 3}, {"protect_last": 2, "kernel": 5, "pool_offset": 1},
-                                     {"bridge": 4}, {"bridge": 3, "pooling": None, "protect_last": 2}])
+                                     {"bridge": 4}, {"bridge": 3, "pooling": None, "protect_last": 2},
+                                     {"tail": 6, "tail_weight": 0.5}, {"tail": 3, "tail_weight": 1.0, "protect_last": 2,
+                                                                      "kernel": 3}])
 def test_scores_match_numpy_reference(tiny, adapter, changes):
     ad = adapter.replace(config=dataclasses.replace(adapter.config, **changes))
     policy = LookaheadKV(adapter=ad)

@@ -84,7 +84,7 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
             parent = ab.parent_of(name)
             assert not ab.VARIANTS[parent][2] and set(over) == {"lookahead"} | set(ab.VARIANTS[parent][1])
             added = {k for k, v in over["lookahead"].items() if ab.VARIANTS[parent][1].get("lookahead", {}).get(k) != v}
-            assert added <= {"gqa_reduce", "pooling", "kernel", "pool_offset", "bridge"}, name
+            assert added <= {"gqa_reduce", "pooling", "kernel", "pool_offset", "bridge", "tail", "tail_weight"}, name
             assert all(ab.variant_config(name)[s] == ab.variant_config(parent)[s] for s in ("model", "data", "train"))
     assert RunConfig.from_dict(ab.variant_config("prompts_32")).data.sources[0].num_samples == 32
     assert RunConfig.from_dict(ab.variant_config("spread_128")).lookahead.offsets[-1] == 124

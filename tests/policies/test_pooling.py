@@ -1,5 +1,5 @@
-"""The positional smoothing of scores (kvjax.policies.scoring): pool1d's window offset and bridge1d, against
-loops written from their docstrings."""
+"""The positional smoothing of scores (kvjax.policies.scoring): pool1d's window offset, bridge1d and trail1d,
+against loops written from their docstrings."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvjax.policies.scoring import bridge1d, pool1d
+from kvjax.policies.scoring import bridge1d, pool1d, trail1d
 
 
 def _region(n: int, lo: int, hi: int) -> np.ndarray:
@@ -75,3 +75,20 @@ def test_bridge1d_fills_a_valley_between_peaks_but_does_not_spread_a_lone_one():
     np.testing.assert_allclose(z[5:7], 0.6)  # within 4 of both
     assert (np.asarray(bridge1d(jnp.asarray(x), jnp.ones(30, bool), 3)) == x).all()  # 7 apart > 2 x 3
     np.testing.assert_array_equal(np.asarray(bridge1d(jnp.asarray(x), jnp.ones(30, bool), 0)), x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_trail1d_is_the_max_of_the_slots_before(data):
+    n = data.draw(st.integers(1, 24))
+    lo = data.draw(st.integers(0, n - 1))
+    hi = data.draw(st.integers(lo + 1, n))
+    reach = data.draw(st.integers(1, 8))
+    x = np.random.RandomState(n * 5 + reach).rand(2, n).astype(np.float32)
+    got = np.asarray(trail1d(jnp.asarray(x), jnp.asarray(_region(n, lo, hi)), reach))
+    for j in range(n):
+        before = [i for i in range(max(0, j - reach), j) if lo <= i < hi]
+        want = x[:, before].max(-1) if before else np.full(2, -np.inf, np.float32)
+        np.testing.assert_array_equal(got[:, j], want)
+    with pytest.raises(ValueError, match="reach must be >= 1"):
+        trail1d(jnp.asarray(x), jnp.asarray(_region(n, lo, hi)), 0)
