@@ -123,6 +123,13 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
     "codes_seed_1_kernel_15": ("data_codes_seed_1's adapter, pooling over 15",
                                {"lookahead": {"kernel": 15}, "train": {"seed": 1},
                                 "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, "data_codes_seed_1"),
+    "tokens_8_codes_seed_1": ("tokens_8_codes with another training seed",
+                              {"lookahead": {"n_tokens": 8}, "train": {"seed": 1},
+                               "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}, False),
+    "tokens_8_codes_seed_1_tail_30": ("tokens_8_codes_seed_1's adapter, scored as tokens_8_codes_tail_30",
+                                      {"lookahead": {"n_tokens": 8, "kernel": 15, "tail": 30, "tail_weight": 0.5},
+                                       "train": {"seed": 1}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}},
+                                      "tokens_8_codes_seed_1"),
 }
 
 
@@ -235,7 +242,8 @@ def _scores(name: str) -> dict[str, dict[str, float]]:
 
 # (the same recipe at another seed, the variant it repeats): their difference is training noise alone
 SEED_PAIRS = {"tokens_8_seed_1": "tokens_8", "data_codes_seed_1": "data_codes",
-              "codes_seed_1_kernel_15": "codes_kernel_15"}
+              "codes_seed_1_kernel_15": "codes_kernel_15", "tokens_8_codes_seed_1": "tokens_8_codes",
+              "tokens_8_codes_seed_1_tail_30": "tokens_8_codes_tail_30"}
 
 
 def _paired(got: dict[str, float], ref: dict[str, float]) -> str:
