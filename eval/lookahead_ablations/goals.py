@@ -2,12 +2,13 @@
 adapter against KVzip (question-agnostic, r = 0.5 and 0.75), and LookaheadKV query-aware against the full cache
 (r = 0.75).
 
-    python eval/lookahead_ablations/goals.py --ood OOD_DIR [...] --reference REF_DIR [...] [--n 12] > GOALS.md
+    python eval/lookahead_ablations/goals.py --ood OOD_DIR [...] --reference REF_DIR [...] [--n 12] [--skip 4] > GOALS.md
 
 --ood: eval folders of the adapter under test (its LookaheadKV presets: every policy whose name contains
 "lookahead", question-agnostic and query-aware rows alike); --reference: folders holding KVzip's and the full
 cache's rows on the same samples (e.g. issue 29's 12-sample rounds). Later folders win a repeated sample. Only the
-first --n samples of each task count, and only samples present on both sides of a pair; a pair with fewer than
+first --n samples of each task count (less the first --skip: the samples a preset's settings were chosen on,
+so that the verdict rests on samples it was not tuned on), and only samples present on both sides of a pair; a pair with fewer than
 `MIN_SAMPLES` samples is reported but gets no verdict. Scores x 100; diff ± its standard error stratified by task
 (`kvjax.eval.paired`).
 
@@ -34,16 +35,16 @@ RATIOS = (0.5, 0.75)
 AWARE_GOAL = -3.0  # query-aware: within 3 points of the full cache at r = 0.75
 
 
-def load(folders: Iterable[str], n: int) -> list[dict[str, Any]]:
-    """The scored rows of `folders` (later folders win a repeated (policy, setting, protocol, sample)), the first
-    `n` samples of each task."""
+def load(folders: Iterable[str], n: int, skip: int = 0) -> list[dict[str, Any]]:
+    """The scored rows of `folders` (later folders win a repeated (policy, setting, protocol, sample)), samples
+    `skip` to `n` - 1 of each task."""
     rows: dict[tuple, dict[str, Any]] = {}
     for folder in folders:
         path = pathlib.Path(folder) / "results.jsonl"
         for line in path.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                if int(r["sample_id"].rsplit("/", 1)[1]) < n and r.get("score") is not None:
+                if skip <= int(r["sample_id"].rsplit("/", 1)[1]) < n and r.get("score") is not None:
                     rows[(r["policy"], r["setting"], bool(r.get("query_aware")), r["sample_id"])] = r
     return list(rows.values())
 
@@ -98,11 +99,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--ood", nargs="+", required=True, help="eval folders of the adapter under test")
     ap.add_argument("--reference", nargs="+", required=True, help="eval folders with KVzip's and the full cache's rows")
     ap.add_argument("--n", type=int, default=12, help="samples per task (the first N)")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="leave out each task's first SKIP samples (those a preset's settings were chosen on)")
     args = ap.parse_args(argv)
-    rows = goals(load(args.ood, args.n), load(args.reference, args.n))
+    if not 0 <= args.skip < args.n:
+        raise SystemExit(f"--skip must be in [0, --n), got {args.skip} with --n {args.n}")
+    rows = goals(load(args.ood, args.n, args.skip), load(args.reference, args.n, args.skip))
     if not rows:
         raise SystemExit("no LookaheadKV rows paired with KVzip or the full cache in these folders")
-    print(f"# Issue 27 goals (first {args.n} samples per task)\n")
+    which = f"the first {args.n}" if not args.skip else f"samples {args.skip}-{args.n - 1}"
+    print(f"# Issue 27 goals ({which} of each task)\n")
     print(f"LookaheadKV rows: {', '.join(args.ood)}; reference rows: {', '.join(args.reference)}.\n")
     print("| goal | setting | preset | score | reference | diff ± s.e. | samples | verdict |")
     print("|---|---|---|---:|---:|---:|---:|---|")

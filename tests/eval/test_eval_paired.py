@@ -332,3 +332,13 @@ def test_lookahead_goals_pick_the_best_preset_and_judge_against_numpy(tmp_path, 
     # fewer samples than the floor: reported, no verdict
     goals.main(["--ood", str(tmp_path / "ood"), "--reference", str(tmp_path / "ref"), "--n", "4"])
     assert "no verdict (44 < 88 samples)" in capsys.readouterr().out
+    # --skip: the first samples of each task left out, the rest judged alone (against NumPy on samples 3..n-1)
+    goals.main(["--ood", str(tmp_path / "ood"), "--reference", str(tmp_path / "ref"), "--n", str(n), "--skip", "3"])
+    out = capsys.readouterr().out
+    assert "samples 3-7 of each task" in out and "(55 < 88 samples)" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("| agnostic") and "r=0.5" in ln)
+    d = np.array([100 * want[("ada_lookahead_kv", t, 0.5)][3:] for t in tasks])
+    se = np.sqrt((d.var(axis=1, ddof=1) / (n - 3)).sum()) / len(tasks)
+    assert f"{d.mean(axis=1).mean():+.1f} ± {se:.1f}" in row
+    with pytest.raises(SystemExit):
+        goals.main(["--ood", str(tmp_path / "ood"), "--reference", str(tmp_path / "ref"), "--n", "4", "--skip", "4"])
