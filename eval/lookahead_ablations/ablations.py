@@ -29,6 +29,7 @@ import time
 
 import yaml
 
+import kvjax.lookahead as lk
 from kvjax.eval.paired import plus_minus, task_mean_se
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -44,9 +45,10 @@ SHARED = ("model", "data", "targets")  # sections that make the targets
 ENGINEERING = {"targets": {"prompt_cache": True}}
 
 # name: (what changes, overrides of the base config as {section: {key: value}}, eval_only). eval_only: False (trained),
-# True (the base's adapter with inference-time fields changed) or the name of the trained variant whose adapter it
-# reuses that way.
-VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
+# True (the base's adapter with inference-time fields changed), the name of the trained variant whose adapter it
+# reuses that way, or a tuple of trained variants (same recipe, other seeds) whose adapters it scores as one ensemble
+# (`kvjax.lookahead.stack`: the mean of their lookahead attention).
+VARIANTS: dict[str, tuple[str, dict, bool | str | tuple[str, ...]]] = {
     "base": ("the base recipe", {}, False),
     "tokens_8": ("8 lookahead tokens", {"lookahead": {"n_tokens": 8}}, False),
     "tokens_16": ("16 lookahead tokens", {"lookahead": {"n_tokens": 16}}, False),
@@ -138,6 +140,16 @@ VARIANTS: dict[str, tuple[str, dict, bool | str]] = {
                                       {"lookahead": {"n_tokens": 8, "kernel": 15, "tail": 30, "tail_weight": 0.5},
                                        "train": {"seed": 2}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}},
                                       "tokens_8_codes_seed_2"),
+    # the seeds of one recipe as one scorer: the mean of their lookahead attention (8 tokens each, one pass each)
+    "tokens_8_codes_ens_2_tail_30": ("tokens_8_codes seeds 0 and 1 as one ensemble, scored as tokens_8_codes_tail_30",
+                                     {"lookahead": {"n_tokens": 8, "kernel": 15, "tail": 30, "tail_weight": 0.5},
+                                      "data": {"sources": [{"tasks": ["ood_train_codes"]}]}},
+                                     ("tokens_8_codes", "tokens_8_codes_seed_1")),
+    "tokens_8_codes_ens_3_tail_30": ("tokens_8_codes seeds 0, 1 and 2 as one ensemble, scored as "
+                                     "tokens_8_codes_tail_30",
+                                     {"lookahead": {"n_tokens": 8, "kernel": 15, "tail": 30, "tail_weight": 0.5},
+                                      "data": {"sources": [{"tasks": ["ood_train_codes"]}]}},
+                                     ("tokens_8_codes", "tokens_8_codes_seed_1", "tokens_8_codes_seed_2")),
     # the tail scoring on the 32-token codes recipe, both seeds: with tokens_8_codes' two, a 2 x 2 of recipe and seed
     "codes_tail_30": ("data_codes' adapter, scored as tokens_8_codes_tail_30",
                       {"lookahead": {"kernel": 15, "tail": 30, "tail_weight": 0.5},
@@ -166,10 +178,19 @@ def variant_config(name: str) -> dict:
     return _merge(_merge(yaml.safe_load(BASE.read_text()), ENGINEERING), over)
 
 
-def parent_of(name: str) -> str:
-    """The trained variant whose adapter an eval-only variant reuses (itself for a trained one)."""
+def parents_of(name: str) -> tuple[str, ...]:
+    """The trained variants whose adapters an eval-only variant reuses (one; several for an ensemble), or the
+    variant itself for a trained one."""
     eval_only = VARIANTS[name][2]
-    return eval_only if isinstance(eval_only, str) else "base" if eval_only else name
+    if isinstance(eval_only, tuple):
+        return eval_only
+    return (eval_only,) if isinstance(eval_only, str) else ("base",) if eval_only else (name,)
+
+
+def parent_of(name: str) -> str:
+    """The trained variant whose adapter an eval-only variant reuses (itself for a trained one; an ensemble's
+    first member)."""
+    return parents_of(name)[0]
 
 
 def targets_owner(name: str) -> str:
@@ -210,14 +231,20 @@ def run(names: list[str], runs: pathlib.Path) -> None:
         log = runs / f"{name}.log"
         if not (export / "adapter.safetensors").exists():
             if eval_only:
-                parent = parent_of(name)
-                if not (runs / parent / "export" / "adapter.safetensors").exists():  # else its eval may run elsewhere
-                    run([parent], runs)
-                shutil.copytree(runs / parent / "export", export, dirs_exist_ok=True)
-                conf = json.loads((export / "adapter_config.json").read_text())
-                conf["config"].update(over["lookahead"])
-                (export / "adapter_config.json").write_text(json.dumps(conf, indent=2) + "\n")
-                times = {"train": f"the {parent}'s adapter"}
+                parents = parents_of(name)
+                for parent in parents:
+                    if not (runs / parent / "export" / "adapter.safetensors").exists():  # else its eval may run elsewhere
+                        run([parent], runs)
+                if len(parents) == 1:
+                    shutil.copytree(runs / parents[0] / "export", export, dirs_exist_ok=True)
+                    conf = json.loads((export / "adapter_config.json").read_text())
+                    conf["config"].update(over["lookahead"])
+                    (export / "adapter_config.json").write_text(json.dumps(conf, indent=2) + "\n")
+                else:
+                    members = [lk.load(runs / p / "export") for p in parents]
+                    config = lk.LookaheadConfig.from_dict({**members[0].config.to_dict(), **over["lookahead"]})
+                    lk.save(lk.stack(members, config=config), export)
+                times = {"train": f"the {' + '.join(parents)}'s adapter" + ("s" if len(parents) > 1 else "")}
             else:
                 owner = targets_owner(name)
                 if owner != name:
@@ -333,7 +360,9 @@ def table() -> str:
         s = _scores(name)
         times_path = HERE / "adapters" / name / "times.json"
         times = json.loads(times_path.read_text()) if times_path.exists() else {}
-        train = ("eval only" + ("" if parent_of(name) == "base" else f" ({parent_of(name)}'s adapter)") if eval_only
+        parents = parents_of(name)
+        train = ("eval only" + ("" if parents == ("base",) else f" ({' + '.join(parents)}'s adapter"
+                                + ("s)" if len(parents) > 1 else ")")) if eval_only
                  else str(times.get("train_seconds", "")))
         notes = ["stored prompt cache"] if times.get("prompt_cache") else []
         if str(times.get("targets", "")).startswith("shared with "):

@@ -4,6 +4,7 @@ Params pytree (float32, L layers, E hidden, r rank):
   embeddings [n, E]
   lora: {proj: {"a": [L, in, r], "b": [L, r, out]}} for proj in config.projections
 (in, out) per projection: q (E, Hq*D), k and v (E, Hkv*D), o (Hq*D, E), gate and up (E, F), down (F, E).
+An ensemble (`stack`, members M > 1) holds M such pytrees stacked on a leading axis: every leaf [M, ...].
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import dataclasses
 import json
 import os
 import pathlib
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from kvjax.lookahead.config import LookaheadConfig
+from kvjax.lookahead.config import TRAINED_FIELDS, LookaheadConfig
 from kvjax.models.config import ModelConfig
 
 BUNDLED = pathlib.Path(__file__).resolve().parents[1] / "assets" / "lookahead"
@@ -63,25 +65,31 @@ class ModelInfo:
 
 @struct.dataclass
 class Adapter:
-    """LookaheadKV modules: `params` (a pytree, see the module doc) plus static `config` and `model_info`."""
+    """LookaheadKV modules: `params` (a pytree, see the module doc) plus static `config` and `model_info`.
+
+    members: 1, or M > 1 for an ensemble of M adapters of one recipe (`stack`; every params leaf [M, ...]):
+    each member's tokens run their own lookahead pass and LookaheadKV scores the mean of their attention."""
 
     params: dict[str, Any]
     config: LookaheadConfig = struct.field(pytree_node=False)
     model_info: ModelInfo = struct.field(pytree_node=False)
+    members: int = struct.field(pytree_node=False, default=1)
 
     def check_model(self, cfg: ModelConfig) -> None:
         """ValueError if this adapter was made for a model of other dimensions than `cfg`."""
         self.model_info.check_matches(cfg)
 
 
-def expected_shapes(config: LookaheadConfig, info: ModelInfo) -> dict[str, tuple[int, ...]]:
-    """Flat name ("embeddings", "lora.q.a", ...) -> shape, for `config` on a model of `info`."""
+def expected_shapes(config: LookaheadConfig, info: ModelInfo, members: int = 1) -> dict[str, tuple[int, ...]]:
+    """Flat name ("embeddings", "lora.q.a", ...) -> shape, for `config` on a model of `info` (an ensemble of
+    `members` > 1: each shape with a leading members axis)."""
     shapes = {"embeddings": (config.n_tokens, info.hidden_size)}
     for p in config.projections:
         i, o = info.projection_shape(p)
         shapes[f"lora.{p}.a"] = (info.num_layers, i, config.rank)
         shapes[f"lora.{p}.b"] = (info.num_layers, config.rank, o)
-    return shapes
+    lead = (members,) if members > 1 else ()
+    return {k: lead + v for k, v in shapes.items()}
 
 
 def flatten(params: dict[str, Any]) -> dict[str, Any]:
@@ -135,6 +143,34 @@ def init_adapter(model: Any, config: LookaheadConfig | None = None, key: jax.Arr
     return Adapter(params={"embeddings": embeddings, "lora": lora}, config=config, model_info=info)
 
 
+def stack(adapters: Sequence[Adapter], config: LookaheadConfig | None = None) -> Adapter:
+    """An ensemble of adapters of one recipe (the same model and trained fields, e.g. several training seeds):
+    every params leaf stacked on a new leading axis, members = len(adapters). LookaheadKV runs each member's
+    lookahead tokens in a pass of their own and scores the mean of their attention, which evens out how much
+    one training run's ranking depends on its seed. Inference fields (pooling, tail, ...) are `config`'s, else
+    the first adapter's. One adapter: itself (with `config`)."""
+    adapters = list(adapters)
+    if not adapters or not all(isinstance(a, Adapter) for a in adapters):
+        raise TypeError("stack needs a non-empty sequence of Adapters")
+    if any(a.members != 1 for a in adapters):
+        raise ValueError("stack: an adapter is already an ensemble (members > 1); stack single adapters")
+    first = adapters[0]
+    config = first.config if config is None else config
+    if not isinstance(config, LookaheadConfig):
+        raise TypeError(f"config must be a LookaheadConfig, got {type(config).__name__}")
+    for i, a in enumerate(adapters):
+        if a.model_info != first.model_info:
+            raise ValueError(f"stack: adapter {i} was trained for another model than adapter 0")
+        diff = [f for f in TRAINED_FIELDS if getattr(a.config, f) != getattr(config, f)]
+        if diff:
+            raise ValueError(f"stack: adapter {i} differs in its trained fields {diff}; the members of an ensemble "
+                             "share a recipe's n_tokens, span, rank, alpha and projections")
+    if len(adapters) == 1:
+        return first.replace(config=config)
+    params = jax.tree.map(lambda *leaves: jnp.stack(leaves), *[a.params for a in adapters])
+    return Adapter(params=params, config=config, model_info=first.model_info, members=len(adapters))
+
+
 def save(adapter: Adapter, folder: str | os.PathLike) -> pathlib.Path:
     """Writes `adapter.safetensors` (float32) and `adapter_config.json` into `folder`; returns it."""
     from safetensors.numpy import save_file
@@ -146,6 +182,8 @@ def save(adapter: Adapter, folder: str | os.PathLike) -> pathlib.Path:
     flat = {k: np.asarray(jax.device_get(v), np.float32) for k, v in flatten(adapter.params).items()}
     save_file(flat, str(folder / WEIGHTS))
     meta = {"format": FORMAT, "config": adapter.config.to_dict(), "model": dataclasses.asdict(adapter.model_info)}
+    if adapter.members > 1:
+        meta["members"] = adapter.members
     (folder / CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
     return folder
 
@@ -181,6 +219,9 @@ def load(path: str | os.PathLike = "bundled", model: Any = None) -> Adapter:
         if not isinstance(meta, dict) or not {"config", "model"} <= set(meta):
             raise ValueError("it needs the keys 'config' and 'model'")
         info = ModelInfo(**meta["model"])
+        members = meta.get("members", 1)
+        if isinstance(members, bool) or not isinstance(members, int) or members < 1:
+            raise ValueError(f"'members' must be an int >= 1, got {members!r}")
     except (ValueError, TypeError) as e:
         raise ValueError(f"corrupt LookaheadKV adapter config {folder / CONFIG}: {e}") from None
     if meta.get("format", FORMAT) != FORMAT:
@@ -194,7 +235,7 @@ def load(path: str | os.PathLike = "bundled", model: Any = None) -> Adapter:
         flat = load_file(str(folder / WEIGHTS))
     except (SafetensorError, OSError, ValueError) as e:
         raise ValueError(f"corrupt LookaheadKV adapter weights {folder / WEIGHTS}: {e}") from None
-    want = expected_shapes(config, info)
+    want = expected_shapes(config, info, members)
     if set(flat) != set(want):
         raise ValueError(f"LookaheadKV adapter {folder / WEIGHTS}: tensors {sorted(flat)} do not match its config, "
                          f"which needs {sorted(want)}")
@@ -202,7 +243,7 @@ def load(path: str | os.PathLike = "bundled", model: Any = None) -> Adapter:
     if bad:
         raise ValueError(f"LookaheadKV adapter {folder / WEIGHTS}: tensors of the wrong shape: {', '.join(bad)}")
     adapter = Adapter(params=unflatten({k: jnp.asarray(v, jnp.float32) for k, v in flat.items()}),
-                      config=config, model_info=info)
+                      config=config, model_info=info, members=members)
     if model is not None:
         adapter.check_model(_model_of(model)[1])
     return adapter

@@ -6,6 +6,8 @@ import dataclasses
 from typing import Any
 
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+# fixed by training; the other fields are read at inference
+TRAINED_FIELDS = ("n_tokens", "span", "rank", "alpha", "projections")
 GQA_REDUCES = ("mean", "max")
 POOLINGS = ("max", None)
 

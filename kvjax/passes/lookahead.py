@@ -2,7 +2,9 @@
 learned tokens (LoRA on their rows) attend to the prompt cache without being stored.
 
 The adapter's static configuration rides in the spec (`LookaheadTokens(config, model_info)`); its
-params are the policy's traced inputs (`Policy.observation_inputs()`).
+params are the policy's traced inputs (`Policy.observation_inputs()`). An ensemble (`members` M > 1,
+`kvjax.lookahead.stack`: params leaves [M, ...]) runs one pass per member, one after another, and its
+fields are the members' mean.
 
 Field: query_mass [L,B,Hq,C] float32: per query head, the tokens' attention mass over the cache slots,
 summed over the n tokens (the softmax including their own causal keys). With `moments=True` (CAKE's
@@ -29,6 +31,7 @@ class LookaheadTokens(Observation):
     config: LookaheadConfig
     model_info: ModelInfo
     moments: bool = False
+    members: int = 1
 
     keyword = "lookahead"
     fields = ("query_mass", "query_sumsq", "query_entropy")
@@ -36,7 +39,7 @@ class LookaheadTokens(Observation):
 
     def merge(self, other: Observation) -> LookaheadTokens:
         """One pass serves both when they run the same adapter; it records the moments if either asks."""
-        if (self.config, self.model_info) != (other.config, other.model_info):
+        if (self.config, self.model_info, self.members) != (other.config, other.model_info, other.members):
             return super().merge(other)  # raises
         return dataclasses.replace(self, moments=self.moments or other.moments)
 
@@ -53,4 +56,10 @@ class LookaheadTokens(Observation):
     def produce(self, params: Any, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, positions: jax.Array, *,
                 rope_mode: str, inputs: Any) -> dict[str, jax.Array]:
         lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
-        return lookahead_observations(params, cfg, inputs, self.config, cache, lengths, moments=self.moments)
+
+        def one(member: Any) -> dict[str, jax.Array]:
+            return lookahead_observations(params, cfg, member, self.config, cache, lengths, moments=self.moments)
+
+        if self.members == 1:
+            return one(inputs)
+        return {k: v.mean(axis=0) for k, v in jax.lax.map(one, inputs).items()}

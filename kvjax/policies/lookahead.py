@@ -48,7 +48,8 @@ def _load(path: str) -> Adapter:
 class LookaheadKV(PrefillPolicy):
     """LookaheadKV with a trained adapter; uniform budget by default (any allocator composes).
 
-    adapter: an `Adapter` (kvjax.lookahead.load / init_adapter), a folder to load one from, or None
+    adapter: an `Adapter` (kvjax.lookahead.load / init_adapter; an ensemble from kvjax.lookahead.stack,
+      scored by the mean of its members' lookahead attention), a folder to load one from, or None
       for the bundled model's adapter (kvjax/assets/lookahead). Loaded when first needed; a missing
       bundled adapter raises FileNotFoundError saying how to pass one.
     Query-aware by default (the paper); `query_aware=False` scores the context alone in the eval's
@@ -73,7 +74,7 @@ class LookaheadKV(PrefillPolicy):
         elif isinstance(a, (str, os.PathLike)):
             ident = ("path", os.fspath(a))
         elif isinstance(a, Adapter):
-            ident = ("adapter", a.config, a.model_info)
+            ident = ("adapter", a.config, a.model_info, a.members)
         else:
             raise TypeError("adapter must be a kvjax.lookahead.Adapter, a folder path, or None (the bundled "
                             f"model's adapter), got {type(a).__name__}")
@@ -105,7 +106,7 @@ class LookaheadKV(PrefillPolicy):
 
     def scorer_requirements(self) -> Requirements:
         a = self.lookahead_adapter()
-        tokens = LookaheadTokens(a.config, a.model_info, moments=self.cake_preference() is not None)
+        tokens = LookaheadTokens(a.config, a.model_info, moments=self.cake_preference() is not None, members=a.members)
         return Requirements(observe=ObservationSpec(tokens))
 
     def observation_inputs(self) -> dict[str, Any]:

@@ -105,6 +105,38 @@ def test_load_errors(tiny, tmp_path):
         lk.load(bad)
 
 
+def test_stack_save_load_an_ensemble_and_its_errors(tiny, tmp_path):
+    """`stack`: every leaf the members' leaves stacked on a leading axis, members recorded, the first member's
+    inference fields unless a config is given; save / load round-trips it; members of different recipes,
+    models or nested ensembles are refused, as is a corrupt member count."""
+    conf = lk.LookaheadConfig(n_tokens=3, rank=2, projections=("q", "v"))
+    a, b = (lk.init_adapter(tiny, conf, jax.random.PRNGKey(i)) for i in (0, 1))
+    both = lk.stack([a, b], config=lk.LookaheadConfig(n_tokens=3, rank=2, projections=("q", "v"), kernel=15))
+    assert both.members == 2 and both.config.kernel == 15 and lk.stack([a, b]).config == conf
+    for x, y, z in zip(jax.tree.leaves(both.params), jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        assert np.array_equal(np.asarray(x), np.stack([np.asarray(y), np.asarray(z)]))
+    assert lk.stack([a]) is not None and lk.stack([a]).members == 1
+    lk.save(both, tmp_path / "ens")
+    assert json.loads((tmp_path / "ens" / "adapter_config.json").read_text())["members"] == 2
+    back = lk.load(tmp_path / "ens", model=tiny)
+    assert back.members == 2 and back.config == both.config
+    for x, y in zip(jax.tree.leaves(both.params), jax.tree.leaves(back.params)):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    other = lk.init_adapter(tiny, lk.LookaheadConfig(n_tokens=3, rank=4, projections=("q", "v")), jax.random.PRNGKey(2))
+    with pytest.raises(ValueError, match=r"adapter 1 differs in its trained fields \['rank'\]"):
+        lk.stack([a, other])
+    with pytest.raises(ValueError, match="already an ensemble"):
+        lk.stack([both, a])
+    with pytest.raises(TypeError, match="non-empty sequence of Adapters"):
+        lk.stack([])
+    meta = json.loads((tmp_path / "ens" / "adapter_config.json").read_text())
+    for members, match in ((0, "'members' must be an int >= 1"), (3, r"wrong shape: .*\(expected \(3, ")):
+        meta["members"] = members
+        (tmp_path / "ens" / "adapter_config.json").write_text(json.dumps(meta))
+        with pytest.raises(ValueError, match=match):
+            lk.load(tmp_path / "ens")
+
+
 def test_adapter_for_another_model_is_refused(tiny, tmp_path):
     build_hf("llama2", tmp_path / "mha")  # 4 KV heads instead of 2
     other = kvjax.load_model(tmp_path / "mha")

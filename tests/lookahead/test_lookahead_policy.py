@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import lkv_reference as ref
 import numpy as np
 import pytest
-from conftest import prompts
+from conftest import prompts, with_random_b
 
 import kvjax
 import kvjax.lookahead as lk
@@ -63,6 +63,25 @@ def test_scores_match_numpy_reference(tiny, adapter, changes):
                 s = np.sort(want[l, h, : t - w])[::-1]
                 if s[8 - w - 1] - s[8 - w] > 1e-6:
                     assert kept == top, (l, b, h)
+
+
+def test_ensemble_scores_are_the_members_mean(tiny, adapter):
+    """A stacked adapter (two members, each its own lookahead pass) scores with the mean of the members' s̃,
+    then the one config's pooling and tail, as the NumPy reference of that mean."""
+    conf = dataclasses.replace(adapter.config, kernel=3, tail=4)
+    other = with_random_b(lk.init_adapter(tiny, adapter.config, jax.random.PRNGKey(7)), seed=8)
+    both = lk.stack([adapter, other], config=conf)
+    policy = LookaheadKV(adapter=both)
+    rows, toks, pos = prompts(tiny.config.vocab_size, LENGTHS, WIDTH, seed=12)
+    got, *_ = _engine_scores(tiny, policy, jnp.asarray(toks), jnp.asarray(pos), budget=8)
+    P = ref.to_numpy(tiny.params)
+    members = [ref.to_numpy(a.params) for a in (adapter, other)]
+    for b, t in enumerate(LENGTHS):
+        mean = np.mean([ref.predicted(P, tiny.config, rows[b], A, conf) for A in members], axis=0)
+        want = ref.scores(mean, tiny.config, conf, t)
+        np.testing.assert_allclose(got[:, b, :, :t], want, atol=2e-6, rtol=1e-4)
+        one = ref.scores(ref.predicted(P, tiny.config, rows[b], members[0], conf), tiny.config, conf, t)
+        assert np.abs(one - want).max() > 1e-4  # the second member moves the scores
 
 
 def _ids(model, lengths, seed):

@@ -86,6 +86,12 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
             added = {k for k, v in over["lookahead"].items() if ab.VARIANTS[parent][1].get("lookahead", {}).get(k) != v}
             assert added <= {"gqa_reduce", "pooling", "kernel", "pool_offset", "bridge", "tail", "tail_weight"}, name
             assert all(ab.variant_config(name)[s] == ab.variant_config(parent)[s] for s in ("model", "data", "train"))
+            for member in ab.parents_of(name)[1:]:  # an ensemble: the first member's recipe at other seeds
+                other = ab.variant_config(member)
+                assert not ab.VARIANTS[member][2], name
+                assert all(other[s] == ab.variant_config(parent)[s] for s in ("model", "data", "lookahead")), name
+                assert {**other["train"], "seed": 0} == {**ab.variant_config(parent)["train"], "seed": 0}, name
+                assert other["train"]["seed"] != ab.variant_config(parent)["train"]["seed"], name
     assert RunConfig.from_dict(ab.variant_config("prompts_32")).data.sources[0].num_samples == 32
     assert RunConfig.from_dict(ab.variant_config("spread_128")).lookahead.offsets[-1] == 124
     codes = RunConfig.from_dict(ab.variant_config("data_codes")).data.sources[0]
@@ -93,4 +99,5 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
     # targets are computed once per (model, data, targets) and shared by the later variants that match
     assert ab.targets_owner("base") == "base" and ab.targets_owner("tokens_8") == "base"
     assert ab.parent_of("tokens_8_kernel_15") == "tokens_8" and ab.parent_of("kernel_15") == "base"
+    assert ab.parents_of("tokens_8_codes_ens_2_tail_30") == ("tokens_8_codes", "tokens_8_codes_seed_1")
     assert ab.targets_owner("data_codes") == "data_codes" and ab.targets_owner("tokens_8_codes") == "data_codes"
