@@ -95,6 +95,10 @@ SUBSTITUTIONS = {
     # runs/lkv` (the README's next bash block, a training run of many minutes) exports: the shipped adapter
     # kvjax/assets/lookahead, that command's export for the bundled model (same files and format)
     '"runs/lkv/export"': "bundled_adapter_folder",
+    # two training seeds' exports of one recipe (the ensemble example): the shipped adapter twice, so the
+    # ensemble's mean attention is that adapter's own and its answers must be policy="lookahead_kv"'s
+    '"runs/seed_0/export"': "bundled_adapter_folder",
+    '"runs/seed_1/export"': "bundled_adapter_folder",
 }
 
 # Blocks not run at all, with the reason: none. (Blocks needing a Hub model, a GGUF file or a trained adapter
@@ -175,6 +179,15 @@ CHECKS = {
         # with SUBSTITUTIONS the loaded adapter is the bundled model's, which policy="lookahead_kv" uses
         assert type(H["adapter"][0]).__name__ == "Adapter"
         assert (explicit.tokens == preset.tokens).all() and (explicit.kept == preset.kept).all()
+    """,
+    ("## Eviction policies", 2): """
+        import kvjax.lookahead as lk
+        (ensemble,) = H["ensemble"]
+        assert ensemble.members == 2 and lk.load("runs/ensemble").members == 2
+        # two copies of the bundled adapter: the mean of their attention is its own, so are the answers
+        (out,) = H["out"]
+        preset = HISTORY["out"][-2]
+        assert (out.tokens == preset.tokens).all() and (out.kept == preset.kept).all()
     """,
     ("### Chunked prefill", 0): """
         import numpy as np
