@@ -101,3 +101,25 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
     assert ab.parent_of("tokens_8_kernel_15") == "tokens_8" and ab.parent_of("kernel_15") == "base"
     assert ab.parents_of("tokens_8_codes_ens_2_tail_30") == ("tokens_8_codes", "tokens_8_codes_seed_1")
     assert ab.targets_owner("data_codes") == "data_codes" and ab.targets_owner("tokens_8_codes") == "data_codes"
+
+
+def test_validation_loss_holds_out_the_training_prompts():
+    """eval/lookahead_ablations/validation_loss.py scores adapters on the training families at another data seed:
+    every source redrawn at that seed, the sample count split over the sources, no stored prompt cache, and the
+    training seed itself refused."""
+    import importlib.util
+
+    path = CONFIGS.parent / "eval" / "lookahead_ablations" / "validation_loss.py"
+    spec = importlib.util.spec_from_file_location("validation_loss", path)
+    vl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(vl)
+    cfg = RunConfig.from_dict({"data": {"sources": [{"kind": "synthetic", "tasks": ["ood_train"], "num_samples": 128},
+                                                    {"kind": "synthetic", "tasks": ["ood_train_codes"],
+                                                     "num_samples": 8, "seed": 3}]},
+                               "targets": {"prompt_cache": True}})
+    out = vl.held_out(cfg, 1000, 17)
+    assert [s.seed for s in out.data.sources] == [1000, 1000]
+    assert [s.num_samples for s in out.data.sources] == [9, 8] and not out.targets.prompt_cache
+    assert [s.tasks for s in out.data.sources] == [s.tasks for s in cfg.data.sources] and out.lookahead == cfg.lookahead
+    with pytest.raises(ValueError, match="training source's seed"):
+        vl.held_out(cfg, 3, 16)
