@@ -28,7 +28,7 @@ SOURCE_KINDS = ("synthetic", "jsonl", "parquet", "hf")
 LONG_PROMPTS = ("skip", "error")
 TARGET_DTYPES = ("float32", "float16")
 TARGET_MODES = ("stored", "on_the_fly")
-TARGET_TEACHERS = ("response", "kvzip")
+TARGET_TEACHERS = ("response", "kvzip", "answer")
 MODEL_DTYPES = (None, "float32", "bfloat16")
 
 
@@ -133,7 +133,7 @@ class TargetsSection:
     def __post_init__(self):
         _choice("targets.mode", self.mode, TARGET_MODES)
         _choice("targets.teacher", self.teacher, TARGET_TEACHERS)
-        if self.teacher != "response" and self.mode != "stored":
+        if self.teacher == "kvzip" and self.mode != "stored":
             raise ValueError(f"targets.teacher: {self.teacher} needs targets.mode: stored, got mode {self.mode!r} "
                              "(on the fly, the targets come from the response)")
         if self.prompt_cache and self.mode != "stored":

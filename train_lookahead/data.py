@@ -1,6 +1,7 @@
 """Prompt sources and the grain input pipeline.
 
-Prompt sources are grain random-access sources of records {"id", "prompt" | "messages" | "tokens"}:
+Prompt sources are grain random-access sources of records {"id", "prompt" | "messages" | "tokens"} and, for
+`targets.teacher: answer`, the reference answer {"answer" | "answer_tokens"}:
 
 - `SyntheticPrompts`: the project's synthetic long-context generators (kvjax.data), with
   seeds offset by `SEED_OFFSET` so that no training prompt is an evaluation prompt;
@@ -24,7 +25,7 @@ import grain
 import numpy as np
 
 from kvjax.data import generate, resolve_tasks
-from kvjax.data.base import encode
+from kvjax.data.base import encode, reference_answer
 from kvjax.data.prompts import build_prompt
 from kvjax.lookahead import PROMPT_CACHE_GLOBAL, PROMPT_CACHE_LOCAL
 
@@ -36,6 +37,7 @@ SEED_OFFSET = 2 * 10**6
 MAX_PER_SEED = 10**6  # synthetic samples per task and source seed (seeds of different sources never meet)
 
 PROMPT_FIELDS = ("prompt", "messages", "tokens")
+ANSWER_FIELDS = ("answer", "answer_tokens")  # optional: the reference answer (text or ids) after the prompt
 # the axis of each training batch array that holds its rows (split over the "data" mesh axis by
 # kvjax.training's loop): target is [L, B, Hq, T], every other array [B, ...]
 ROW_AXES = {"target": 1, **{k: 1 for k in PROMPT_CACHE_GLOBAL + PROMPT_CACHE_LOCAL}}
@@ -73,8 +75,11 @@ class SyntheticPrompts:
         (sample,) = generate(task, self.tokenizer, self.source.context_length, 1, seed=seed)
         parts = build_prompt(sample, self.tokenizer, query_aware=self.source.query_aware)
         text = parts.text if self.source.query_aware else parts.compressed
-        return {"id": f"{task}/seed{seed}", "text": text,
-                "context_tokens": context_tokens(encode(self.tokenizer, text), sample, self.tokenizer)}
+        record = {"id": f"{task}/seed{seed}", "text": text,
+                  "context_tokens": context_tokens(encode(self.tokenizer, text), sample, self.tokenizer)}
+        if self.source.query_aware:  # the answer follows the question (targets.teacher: answer)
+            record["answer"] = reference_answer(sample)
+        return record
 
 
 def context_tokens(ids: list[int], sample: dict[str, Any], tokenizer: Any) -> int:
@@ -158,7 +163,11 @@ def _check_row(row: Any, where: str) -> dict[str, Any]:
     if len(present) != 1:
         raise ValueError(f"{where}: a row needs exactly one of the fields {', '.join(PROMPT_FIELDS)}; "
                          f"found {present or 'none'} among {sorted(row)}")
-    return {present[0]: row[present[0]]}
+    out = {present[0]: row[present[0]]}
+    for field in ANSWER_FIELDS:  # a reference answer, for targets.teacher: answer
+        if row.get(field) is not None:
+            out[field] = row[field]
+    return out
 
 
 class ConcatSource:

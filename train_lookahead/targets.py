@@ -34,6 +34,7 @@ from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 import kvjax
+from kvjax.data.base import encode
 from kvjax.lookahead import PROMPT_CACHE_GLOBAL, PROMPT_CACHE_LOCAL, prompt_cache, response_attention, split_prompt_cache
 from kvjax.models.config import ModelConfig
 from kvjax.passes.reconstruction import Reconstruction, reconstruction_scores
@@ -73,7 +74,8 @@ def _targets(params: Any, cfg: ModelConfig, tokens: jax.Array, positions: jax.Ar
 
 def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_tokens: int,
                   max_response_tokens: int, batch_size: int, attention: bool = True,
-                  with_cache: bool = False, teacher: str = "response") -> dict[str, np.ndarray]:
+                  with_cache: bool = False, teacher: str = "response",
+                  answers: list[list[int]] | None = None) -> dict[str, np.ndarray]:
     """Responses and s_GT for up to `batch_size` prompts (each at most `max_prompt_tokens` tokens).
 
     Rows are padded to `batch_size` with copies of the first prompt so every chunk has one shape.
@@ -81,7 +83,8 @@ def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_to
     response [n, Y], response_lengths [n], and with `with_cache` (needs `attention`) the prompt cache's
     arrays, rows first: prompt_k, prompt_v [n, L, Hkv, Tc, D] (prompt_local_* [n, Ll, Hkv, W, ...]).
     teacher "kvzip": the target is KVzip's scores instead (`_kvzip_targets`); no response is generated
-    and none is returned.
+    and none is returned. teacher "answer": the response is not generated but given, `answers[b]` (the
+    reference answer's token ids, cut to `max_response_tokens`), read by the frozen model as a continuation.
     """
     n = len(prompts)
     rows = prompts + [prompts[0]] * (batch_size - n)
@@ -97,15 +100,24 @@ def chunk_targets(model: kvjax.Model, prompts: list[list[int]], *, max_prompt_to
         target, cache = jax.device_get(_kvzip_targets(model.params, model.config, tokens, positions,
                                                       with_cache=with_cache))
         return {"tokens": tokens[:n, :Tc], "lengths": lengths[:n], **_target_rows(target, cache, lengths, n, Tc)}
-    out = kvjax.generate(model, rows, max_new_tokens=max_response_tokens)
     Y = max_response_tokens
     response = np.zeros((batch_size, Y), np.int32)
-    response[:, : out.tokens.shape[1]] = out.tokens[:, :Y]
+    if teacher == "answer":
+        if answers is None or len(answers) != n or not all(answers):
+            raise ValueError("targets.teacher: answer needs a non-empty reference answer for every prompt")
+        given = answers + [answers[0]] * (batch_size - n)
+        response_lengths = np.array([min(len(a), Y) for a in given], np.int32)
+        for b, a in enumerate(given):
+            response[b, : response_lengths[b]] = a[:Y]
+    else:
+        out = kvjax.generate(model, rows, max_new_tokens=max_response_tokens)
+        response[:, : out.tokens.shape[1]] = out.tokens[:, :Y]
+        response_lengths = np.asarray(out.lengths)
     steps = np.arange(Y)[None, :]
-    response_positions = np.where(steps < out.lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
+    response_positions = np.where(steps < response_lengths[:, None], lengths[:, None] + steps, -1).astype(np.int32)
     response = np.where(response_positions >= 0, response, 0)
     out_arrays = {"tokens": tokens[:n, :Tc], "lengths": lengths[:n], "response": response[:n],
-                  "response_lengths": out.lengths[:n].astype(np.int32)}
+                  "response_lengths": response_lengths[:n].astype(np.int32)}
     if not attention:
         return out_arrays
     target, cache = jax.device_get(_targets(model.params, model.config, tokens, positions, response,
@@ -149,7 +161,7 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
     pending = [i for i in range(n_chunks) if not (folder / f"chunk_{i:05d}").exists()]
     multihost_utils.sync_global_devices("train_lookahead: target plan")
     for i in tqdm(pending, desc="targets", disable=not progress):
-        ids, prompts, contexts = [], [], []
+        ids, prompts, contexts, answers = [], [], [], []
         for j in range(i * targets.batch_size, min(len(source), (i + 1) * targets.batch_size)):
             record = source[j]
             ids_j = encode_record(record, model.tokenizer, data.chat_template)
@@ -162,10 +174,13 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
             ids.append(record["id"])
             prompts.append(ids_j)
             contexts.append(record.get("context_tokens"))
+            if targets.teacher == "answer":
+                answers.append(answer_ids(record, model.tokenizer))
         arrays = prompts and chunk_targets(
             model, prompts, max_prompt_tokens=data.max_prompt_tokens,
             max_response_tokens=targets.max_response_tokens, batch_size=targets.batch_size,
-            attention=targets.mode == "stored", with_cache=targets.prompt_cache, teacher=targets.teacher)
+            attention=targets.mode == "stored", with_cache=targets.prompt_cache, teacher=targets.teacher,
+            answers=answers if targets.teacher == "answer" else None)
         if arrays and all(c is not None for c in contexts):
             arrays[CONTEXT_LENGTHS] = np.array(contexts, np.int32)
         _write_chunk(folder / f"chunk_{i:05d}", ids, arrays, targets.dtype)
@@ -179,6 +194,19 @@ def generate_targets(model: kvjax.Model, data: DataSection, targets: TargetsSect
         (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     multihost_utils.sync_global_devices("train_lookahead: manifest written")
     return folder
+
+
+def answer_ids(record: dict[str, Any], tokenizer: Any) -> list[int]:
+    """The reference answer of a prompt record (its "answer" text, or "answer_tokens" ids), for `teacher: answer`."""
+    if record.get("answer_tokens"):
+        return [int(t) for t in record["answer_tokens"]]
+    if not record.get("answer"):
+        raise ValueError(f"{record['id']}: targets.teacher: answer needs each prompt's reference answer: synthetic "
+                         "sources rendered query-aware (query_aware: true), or file rows with an 'answer' (text) or "
+                         "'answer_tokens' (ids) field")
+    if tokenizer is None:
+        raise ValueError(f"{record['id']}: an 'answer' text needs a model with a tokenizer (give 'answer_tokens')")
+    return encode(tokenizer, record["answer"])
 
 
 def backfill_context_lengths(folder: pathlib.Path, source: Any) -> None:

@@ -9,7 +9,8 @@ context length. This package imports nothing from kvjax.eval, kvjax.training or 
 Suites: ``default`` (the 8 RULER needle tasks and vt: the bundled model's), ``ruler`` (all 13),
 ``synthetic`` (every RULER-style task generated from code alone), ``ood_train`` (families outside RULER,
 ``kvjax.data.lines``: line retrieval and sentence copying, for out-of-distribution LookaheadKV adapters;
-``ood_train_codes`` adds numbered records that end in codes).
+``ood_train_codes`` adds numbered records that end in codes; ``ood_train_multi`` asks for several records at
+once).
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def _generators() -> dict[str, Generator]:
     reg["record_recall"] = Generator("record_recall", "lines", line_recall,
                                      "quote a numbered record that ends in a code (digits, UUID, phone, amount, "
                                      "date, reference) by its number (not RULER)")
+    reg["records_recall"] = Generator("records_recall", "lines", line_recall,
+                                      "quote 2-4 numbered records that end in codes, far apart, by their numbers "
+                                      "(not RULER)")
     for which in ("first", "last"):
         reg[f"repeat_{which}"] = Generator(f"repeat_{which}", "copy", repeat_sentence,
                                            f"repeat the {which} sentence of a prose paragraph (not RULER)")
@@ -67,6 +71,7 @@ SUITES: dict[str, list[str]] = {
     "synthetic": [*NIAH_TASKS, "vt", "cwe", "fwe", "niah_grid", "passkey"],
     "ood_train": ["line_recall", "repeat_first", "repeat_last"],
     "ood_train_codes": ["line_recall", "record_recall", "repeat_first", "repeat_last"],
+    "ood_train_multi": ["records_recall"],
 }
 
 

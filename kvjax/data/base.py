@@ -63,6 +63,12 @@ def encode(tokenizer: TokenizerLike, text: str) -> list[int]:
     return list(out)
 
 
+def reference_answer(sample: Sample) -> str:
+    """The text a correct answer continues the prompt with, after its answer prefix: the generator's own
+    (``metadata["reference"]``) when it wrote one, else the expected answers one per line after a space."""
+    return sample["metadata"].get("reference") or " " + "\n".join(sample["answers"])
+
+
 def count_tokens(tokenizer: TokenizerLike, text: str) -> int:
     """Number of tokens of ``text`` without special tokens."""
     return len(encode(tokenizer, text))

@@ -9,6 +9,10 @@ frequent words, QA). These prompts ask for something else over built-in prose (`
   that ends in a code (a 7-digit number, a UUID, a phone number, an amount, a date or an upper-case
   reference), so the answer is a string of digits and hex that must be quoted whole. It exists because the
   prose-only adapter kept only the first tokens of such values (eval/lookahead_smollm2_ood).
+- ``records_recall`` (family "lines"): the numbered records of ``record_recall``, but the question asks for
+  two to four of them at once (lines far apart, asked in a random order), so the answer draws on several
+  spans of the context, as RULER's multi-value and multi-query needles do. It exists because adapters trained
+  on one-span answers differ most by training seed on the multi-needle tasks (eval/lookahead_ablations).
 - ``repeat_first`` / ``repeat_last`` (family "copy"): a paragraph of prose; the question asks to repeat its
   first (or last) sentence word for word. The answer is that sentence.
 
@@ -24,7 +28,9 @@ import random
 from kvjax.data.base import Options, Sample, fitted_sample, sample_rng
 from kvjax.data.prose import prose_sentences
 
-MAX_NEW_TOKENS = {"line_recall": 48, "record_recall": 64, "repeat_first": 48, "repeat_last": 48}
+MAX_NEW_TOKENS = {"line_recall": 48, "record_recall": 64, "records_recall": 192, "repeat_first": 48,
+                  "repeat_last": 48}
+MAX_ASKED = 4  # records_recall asks for 2..MAX_ASKED lines
 _MAX_UNITS = 2000  # lines or sentences per prompt (far above what 16K tokens hold)
 
 
@@ -62,28 +68,43 @@ def records(n: int, seed: int) -> list[str]:
 
 
 def line_recall(task: str, opts: Options) -> list[Sample]:
-    """Numbered lines (prose for ``line_recall``, code-bearing records for ``record_recall``); "What is the
-    content of line k?" with k uniform over the lines."""
+    """Numbered lines (prose for ``line_recall``, code-bearing records for ``record_recall`` and
+    ``records_recall``); "What is the content of line k?" with k uniform over the lines, or for
+    ``records_recall`` "What are the contents of lines k1, k2 and k3?" with 2..MAX_ASKED lines, one from each
+    of as many equal parts of the record (in a random order)."""
     samples = []
     for i in range(opts.num_samples):
         rng = sample_rng(opts.seed, task, i)
         seed = rng.randrange(2**31)
-        lines = records(_MAX_UNITS, seed) if task == "record_recall" else prose_sentences(_MAX_UNITS, seed=seed)
-        depth = rng.random()
+        lines = prose_sentences(_MAX_UNITS, seed=seed) if task == "line_recall" else records(_MAX_UNITS, seed)
+        asked = rng.randrange(2, MAX_ASKED + 1) if task == "records_recall" else 1
+        depths = [(part + rng.random()) / asked for part in range(asked)]
+        rng.shuffle(depths)
 
-        def build(n: int, lines=lines, depth=depth) -> tuple[str, str, str]:
-            k = 1 + min(int(depth * max(n, 1)), max(n, 1) - 1)
+        def build(n: int, lines=lines, depths=depths) -> tuple[str, str, str]:
+            ks = _asked_lines(depths, n)
             context = "Below is a record of numbered lines.\n" + "".join(
                 f"line {j + 1}: {lines[j]}\n" for j in range(n))
-            return context, f"\nWhat is the content of line {k}? Quote it exactly.", f"line {k}:"
+            if len(ks) == 1:
+                question = f"\nWhat is the content of line {ks[0]}? Quote it exactly."
+            else:
+                listed = ", ".join(map(str, ks[:-1])) + f" and {ks[-1]}"
+                question = f"\nWhat are the contents of lines {listed}? Quote each exactly, one per line."
+            return context, question, f"line {ks[0]}:"
 
-        sample = fitted_sample(task, opts, i, build, [], MAX_NEW_TOKENS[task], minimum=1, maximum=_MAX_UNITS)
-        n = sample["metadata"]["haystack_units"]
-        k = 1 + min(int(depth * n), n - 1)
-        sample["answers"] = [lines[k - 1]]
-        sample["metadata"]["line"] = k
+        sample = fitted_sample(task, opts, i, build, [], MAX_NEW_TOKENS[task], minimum=asked, maximum=_MAX_UNITS)
+        ks = _asked_lines(depths, sample["metadata"]["haystack_units"])
+        sample["answers"] = [lines[k - 1] for k in ks]
+        sample["metadata"]["line" if asked == 1 else "lines"] = ks[0] if asked == 1 else ks
+        sample["metadata"]["reference"] = " " + "\n".join(
+            (f"line {k}: " if j else "") + lines[k - 1] for j, k in enumerate(ks))
         samples.append(sample)
     return samples
+
+
+def _asked_lines(depths: list[float], n: int) -> list[int]:
+    """The 1-based line at each relative depth in [0, 1) of `n` lines."""
+    return [1 + min(int(d * max(n, 1)), max(n, 1) - 1) for d in depths]
 
 
 def repeat_sentence(task: str, opts: Options) -> list[Sample]:

@@ -237,3 +237,42 @@ def test_query_agnostic_training_scores_the_context_alone(stories, tmp_path):
     assert abs(a - c) > 1e-3
     with pytest.raises(ValueError, match="query_aware: false needs stored targets whose records know their context"):
         to_example({k: v for k, v in recs[0].items() if k != "context_tokens"}, 16, query_aware=False)
+
+
+ANSWERS = [[5, 6, 7, 8], [300, 2], [9] * 14]
+
+
+def test_answer_teacher_targets_equal_transformers_attention_of_the_given_answer(stories, hf):
+    """teacher "answer": no response is generated; the given reference answer (cut to max_response_tokens) is read
+    as the continuation and the target is its mean attention to the prompt, as transformers computes it."""
+    out = chunk_targets(stories, PROMPTS, max_prompt_tokens=16, max_response_tokens=10, batch_size=4,
+                        teacher="answer", answers=ANSWERS)
+    assert out["response_lengths"].tolist() == [4, 2, 10]
+    for b, prompt in enumerate(PROMPTS):
+        T, answer = len(prompt), ANSWERS[b][:10]
+        assert out["response"][b, :len(answer)].tolist() == answer
+        with torch.no_grad():
+            att = hf(torch.tensor([prompt + answer]), output_attentions=True).attentions
+        expected = np.stack([a[0, :, T:, :T].mean(1).numpy() for a in att])  # [L, Hq, T]
+        np.testing.assert_allclose(out["target"][b, :, :, :T], expected, atol=2e-5)
+    with pytest.raises(ValueError, match="teacher: answer needs a non-empty reference answer"):
+        chunk_targets(stories, PROMPTS, max_prompt_tokens=16, max_response_tokens=10, batch_size=4,
+                      teacher="answer", answers=[[5], [], [6]])
+
+
+def test_answer_teacher_stage_reads_answers_from_rows_and_names_a_missing_one(stories, tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps({"tokens": p, "answer_tokens": a}) + "\n" for p, a in zip(PROMPTS, ANSWERS)))
+    data = DataSection(sources=(SourceSection(kind="jsonl", path=str(path)),), max_prompt_tokens=16)
+    targets = TargetsSection(batch_size=2, max_response_tokens=10, teacher="answer", prompt_cache=True)
+    folder = generate_targets(stories, data, targets, tmp_path / "a", progress=False)
+    records = TargetRecords(folder)
+    assert np.load(folder / "chunk_00001" / "response.npy")[0].tolist() == ANSWERS[2][:10]
+    direct = chunk_targets(stories, PROMPTS[2:], max_prompt_tokens=16, max_response_tokens=10, batch_size=2,
+                           teacher="answer", answers=ANSWERS[2:])
+    np.testing.assert_allclose(records[2]["target"], direct["target"][0], atol=1e-6)
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text("".join(json.dumps({"tokens": p}) + "\n" for p in PROMPTS))
+    with pytest.raises(ValueError, match=r"p.jsonl|bare.jsonl/0: targets.teacher: answer needs .*'answer_tokens'"):
+        generate_targets(stories, DataSection(sources=(SourceSection(kind="jsonl", path=str(bare)),),
+                                              max_prompt_tokens=16), targets, tmp_path / "b", progress=False)
