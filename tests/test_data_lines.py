@@ -60,7 +60,9 @@ def test_records_end_in_a_code_of_every_kind():
 
 
 def test_ood_families_share_nothing_with_ruler_and_are_scored(tok):
-    assert {data.GENERATORS[t].family for t in data.SUITES["ood_train_codes"]} == {"lines", "copy"}
+    assert {data.GENERATORS[t].family for t in data.SUITES["ood_train_codes"] + data.SUITES["ood_train_multi"]} == {
+        "lines", "copy"}
+    assert not set(data.SUITES["ood_train_multi"]) & set(data.SUITES["ruler"])
     assert set(data.SUITES["ood_train"]) < set(data.SUITES["ood_train_codes"])
     assert not set(data.SUITES["ood_train_codes"]) & set(data.SUITES["ruler"])
     for t in data.SUITES["ood_train_codes"]:
@@ -69,3 +71,29 @@ def test_ood_families_share_nothing_with_ruler_and_are_scored(tok):
         score = lambda text: metrics.score_prediction(tasks.TASKS[t].metric, t, text, s)["score"]  # noqa: E731
         assert score(" " + s["answers"][0]) == 1.0
         assert score(" something else entirely.") == 0.0
+
+
+def test_records_recall_asks_for_several_records_far_apart(tok):
+    """records_recall: 2-4 distinct lines, one from each equal part of the record, in the question's order; the
+    answers are those records, and the reference (the teacher's answer) quotes them in order, numbered after the
+    first, so that it scores 1."""
+    from kvjax.data.base import reference_answer
+
+    samples = data.generate("records_recall", tok, 1024, 12, seed=4)
+    assert {len(s["answers"]) for s in samples} == {2, 3, 4}
+    for s in samples:
+        ks = [int(k) for k in re.findall(r"\d+", s["question"].split("lines")[1])]
+        n = s["metadata"]["haystack_units"]
+        numbered = dict(re.findall(r"^line (\d+): (.*)$", s["context"], flags=re.M))
+        assert ks == s["metadata"]["lines"] and len(set(ks)) == len(ks) and s["answer_prefix"] == f"line {ks[0]}:"
+        parts = sorted(int((k - 1) * len(ks) / n) for k in ks)
+        assert parts == list(range(len(ks)))  # one asked line per part: far apart
+        assert s["answers"] == [numbered[str(k)] for k in ks]
+        ref = reference_answer(s)
+        assert ref == " " + "\n".join(f"line {k}: {numbered[str(k)]}" if j else numbered[str(k)]
+                                      for j, k in enumerate(ks))
+        assert metrics.score_prediction("string_match_all", "records_recall", ref, s)["score"] == 1.0
+        assert metrics.score_prediction("string_match_all", "records_recall", " " + s["answers"][0], s)["score"] < 1.0
+    # one-record tasks: the reference is the answer after a space
+    (one,) = data.generate("record_recall", tok, 512, 1, seed=0)
+    assert reference_answer(one) == " " + one["answers"][0]

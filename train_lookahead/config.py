@@ -128,7 +128,7 @@ class TargetsSection:
     dtype: str = "float32"  # of stored targets
     mode: str = "stored"
     prompt_cache: bool = False
-    teacher: str = "response"
+    teacher: str = "response"  # the greedy response; "kvzip" (KVzip's scores); "answer" (the reference answer)
 
     def __post_init__(self):
         _choice("targets.mode", self.mode, TARGET_MODES)

@@ -8,7 +8,7 @@ base's targets (the frozen model's answers and their attention: the costly part)
 changed. Each is then scored on RULER 2K question-agnostic at r = 0.5 and 0.75 (lookahead_kv only; the
 full-cache rows are copied from the recorded agnostic run, same samples).
 
-    python eval/lookahead_ablations/ablations.py run [--only NAME ...] [--runs DIR]   # resumes when re-run
+    python eval/lookahead_ablations/ablations.py run [--only NAME ...] [--runs DIR] [--train-only]   # resumes
     python eval/lookahead_ablations/ablations.py table > eval/lookahead_ablations/TABLE.md
 
 `run` writes each variant's config to `configs/` here, trains it under `--runs` (default runs/lookahead_ablations;
@@ -169,7 +169,7 @@ ANSWER_MULTI = {"lookahead": {"n_tokens": 8}, "targets": {"teacher": "answer"},
 TAIL_30 = {"kernel": 15, "tail": 30, "tail_weight": 0.5}
 for _seed in (0, 1, 2):
     _name = "answer_multi" + (f"_seed_{_seed}" if _seed else "")
-    _over = {**ANSWER_MULTI, "train": {"seed": _seed}}
+    _over = {**ANSWER_MULTI, **({"train": {"seed": _seed}} if _seed else {})}
     VARIANTS[_name] = (f"tokens_8_codes' recipe plus 64 `ood_train_multi` prompts (2-4 records asked at once), "
                        f"targets from the reference answers (`teacher: answer`), training seed {_seed}", _over, False)
     VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
@@ -232,7 +232,7 @@ def _sh(cmd: list[str], log: pathlib.Path) -> float:
 CARD_FILES = ("README.md", "adapter_config.json", "train_config.json", "log.jsonl", "loss_curve.png")
 
 
-def run(names: list[str], runs: pathlib.Path) -> None:
+def run(names: list[str], runs: pathlib.Path, evaluate: bool = True) -> None:
     runs.mkdir(parents=True, exist_ok=True)
     for name in names:
         desc, over, eval_only = VARIANTS[name]
@@ -278,7 +278,7 @@ def run(names: list[str], runs: pathlib.Path) -> None:
             if (export / f).exists():
                 shutil.copy2(export / f, card / f)
         out = HERE / "results" / name
-        if not (out / "metrics.json").exists():
+        if evaluate and not (out / "metrics.json").exists():
             out.mkdir(parents=True, exist_ok=True)
             if not (out / "results.jsonl").exists():  # the full cache's rows of the same samples
                 rows = [l for l in FULL_ROWS.read_text().splitlines() if json.loads(l)["policy"] == "full"]
@@ -429,10 +429,12 @@ def main(argv: list[str] | None = None) -> int:
     r = sub.add_parser("run", help="train and score the variants (resumes)")
     r.add_argument("--only", nargs="+", choices=list(VARIANTS), help="these variants (default: all, in order)")
     r.add_argument("--runs", default="runs/lookahead_ablations", help="training workdirs")
+    r.add_argument("--train-only", action="store_true",
+                   help="train (or assemble) the adapters, score none (another process may score them meanwhile)")
     sub.add_parser("table", help="print the Markdown table of what has run")
     args = p.parse_args(argv)
     if args.cmd == "run":
-        run(args.only or list(VARIANTS), pathlib.Path(args.runs).resolve())
+        run(args.only or list(VARIANTS), pathlib.Path(args.runs).resolve(), evaluate=not args.train_only)
     else:
         sys.stdout.write(table())
     return 0

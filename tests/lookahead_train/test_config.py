@@ -101,6 +101,12 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
     assert ab.parent_of("tokens_8_kernel_15") == "tokens_8" and ab.parent_of("kernel_15") == "base"
     assert ab.parents_of("tokens_8_codes_ens_2_tail_30") == ("tokens_8_codes", "tokens_8_codes_seed_1")
     assert ab.targets_owner("data_codes") == "data_codes" and ab.targets_owner("tokens_8_codes") == "data_codes"
+    # a variant's extra data source is added whole after the base's (merged) one; its seeds share its targets
+    multi = RunConfig.from_dict(ab.variant_config("answer_multi_seed_2"))
+    assert [s.tasks for s in multi.data.sources] == [("ood_train_codes",), ("ood_train_multi",)]
+    assert multi.data.sources[1].num_samples == 64 and multi.targets.teacher == "answer" and multi.train.seed == 2
+    assert ab.targets_owner("answer_multi_seed_2") == "answer_multi" and ab.targets_owner("answer_multi") == "answer_multi"
+    assert ab.parent_of("answer_multi_seed_1_tail_30") == "answer_multi_seed_1"
 
 
 def test_validation_loss_holds_out_the_training_prompts():

@@ -69,6 +69,23 @@ def test_query_agnostic_synthetic_prompts_are_the_contexts_alone(tokenizer):
         assert aware[i]["tokens"][:c] == agnostic[i]["tokens"][:c]
 
 
+def test_records_carry_the_reference_answer_for_the_answer_teacher(tmp_path, tokenizer):
+    """A query-aware synthetic record's "answer" is its sample's reference continuation (after the answer prefix
+    the prompt ends with); a context-only record has none; file rows keep an "answer" / "answer_tokens" field."""
+    src = dict(tasks=("records_recall", "niah_single_1"), context_length=600, num_samples=2)
+    aware = prompt_source(DataSection(sources=(SourceSection(**src),)), tokenizer)
+    agnostic = prompt_source(DataSection(sources=(SourceSection(**src, query_aware=False),)), tokenizer)
+    for i, task in enumerate(src["tasks"]):
+        (sample,) = generate_task(task, tokenizer, 600, 1, seed=synthetic_seed(0, 0))
+        assert aware[i]["text"].endswith(sample["answer_prefix"])
+        assert aware[i]["answer"].strip().startswith(sample["answers"][0])
+        assert all(a in aware[i]["answer"] for a in sample["answers"]) and "answer" not in agnostic[i]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": "2 + 2 =", "answer": " 4"}) + "\n" + json.dumps({"tokens": [5, 6]}) + "\n")
+    rows = prompt_source(DataSection(sources=(SourceSection(kind="jsonl", path=str(path)),)), tokenizer)
+    assert rows[0]["answer"] == " 4" and "answer" not in rows[1]
+
+
 def test_file_sources(tmp_path, tokenizer):
     rows = [{"prompt": "What is the capital of France?"},
             {"messages": [{"role": "user", "content": "Hi there"}]},
