@@ -307,6 +307,58 @@ SEED_PAIRS = {"tokens_8_seed_1": "tokens_8", "data_codes_seed_1": "data_codes",
               **{f"answer_multi_seed_{s}{t}": f"answer_multi{t}" for s in (1, 2) for t in ("", "_tail_30")}}
 
 
+# a recipe's seeds (its variant first): compared as the per-sample mean over the seeds, since one seed's lead over
+# another recipe's one seed can be training noise (tokens_8_codes' seeds differ by 17 points)
+SEED_GROUPS = {"tokens_8_codes": ("tokens_8_codes", "tokens_8_codes_seed_1", "tokens_8_codes_seed_2"),
+               "tokens_8_codes_tail_30": ("tokens_8_codes_tail_30", "tokens_8_codes_seed_1_tail_30",
+                                          "tokens_8_codes_seed_2_tail_30"),
+               "answer_multi": ("answer_multi", "answer_multi_seed_1", "answer_multi_seed_2"),
+               "answer_multi_tail_30": ("answer_multi_tail_30", "answer_multi_seed_1_tail_30",
+                                        "answer_multi_seed_2_tail_30")}
+# (recipe, the recipe it is measured against): both seed-means over the same samples
+GROUP_PAIRS = (("answer_multi_tail_30", "tokens_8_codes_tail_30"), ("answer_multi", "tokens_8_codes"))
+
+
+def _seed_mean(group: str) -> dict[str, dict[str, float]]:
+    """{setting: {sample_id: mean score over the group's seeds}} over the samples every seed ran (empty while a
+    seed has not run)."""
+    runs = [_scores(v) for v in SEED_GROUPS[group]]
+    out: dict[str, dict[str, float]] = {}
+    for setting in ("r=0.5", "r=0.75"):
+        shared = set.intersection(*(set(r.get(setting, {})) for r in runs))
+        if shared:
+            out[setting] = {k: sum(r[setting][k] for r in runs) / len(runs) for k in shared}
+    return out
+
+
+def _seed_groups() -> list[str]:
+    rows = []
+    for group, members in SEED_GROUPS.items():
+        runs = [_scores(v) for v in members]
+        cells = []
+        for setting in ("r=0.5", "r=0.75"):
+            got = [r.get(setting, {}) for r in runs]
+            cells.append(" / ".join(f"{100 * sum(g.values()) / len(g):.1f}" if g else "-" for g in got))
+        mean = _seed_mean(group)
+        cells += [f"{100 * sum(m.values()) / len(m):.1f}" if (m := mean.get(k)) else "" for k in ("r=0.5", "r=0.75")]
+        rows.append(f"| {group} | " + " | ".join(cells) + " |")
+    pairs = []
+    for a, b in GROUP_PAIRS:
+        ma, mb = _seed_mean(a), _seed_mean(b)
+        if ma.get("r=0.5") and mb.get("r=0.5"):
+            pairs.append(f"| {a} - {b} | " + " | ".join(_paired(ma.get(k, {}), mb.get(k, {}))
+                                                     for k in ("r=0.5", "r=0.75")) + " |")
+    if not any("-" not in r.split("|")[2] for r in rows):
+        return []
+    return ["", "## Recipes over seeds", "",
+            "A recipe is its seeds (training seeds 0 / 1 / 2: LoRA init and batch order), each scored on the same "
+            "samples; mean = the per-sample mean over the three (shown once all three ran). Recipes are compared by "
+            "that mean, paired over the samples, ± its standard error stratified by task.", "",
+            "| recipe | r=0.5, seeds 0 / 1 / 2 | r=0.75, seeds 0 / 1 / 2 | mean r=0.5 | mean r=0.75 |",
+            "|---|---:|---:|---:|---:|", *rows,
+            *(["", "| recipes (seed means) | diff r=0.5 | diff r=0.75 |", "|---|---:|---:|", *pairs] if pairs else [])]
+
+
 def _paired(got: dict[str, float], ref: dict[str, float]) -> str:
     """got - ref over the shared samples, in points, ± its standard error stratified by task ("" if none)."""
     by_task: dict[str, list[float]] = {}
@@ -407,6 +459,7 @@ def table() -> str:
         if len(cells) == 2:
             lines.append(f"KVzip (training-free, 5.5x the prefill) on the same samples: {cells[0]} / {cells[1]}.")
     lines += _ood_12()
+    lines += _seed_groups()
     spread = []
     for name, of in SEED_PAIRS.items():
         a, b = _scores(name), _scores(of)

@@ -107,6 +107,11 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
     assert multi.data.sources[1].num_samples == 64 and multi.targets.teacher == "answer" and multi.train.seed == 2
     assert ab.targets_owner("answer_multi_seed_2") == "answer_multi" and ab.targets_owner("answer_multi") == "answer_multi"
     assert ab.parent_of("answer_multi_seed_1_tail_30") == "answer_multi_seed_1"
+    # a seed group is one recipe at training seeds 0, 1, 2 and nothing else
+    for group, members in ab.SEED_GROUPS.items():
+        cfgs = [ab.variant_config(m) for m in members]
+        assert [c["train"]["seed"] for c in cfgs] == [0, 1, 2], group
+        assert all({**c, "train": {**c["train"], "seed": 0}} == cfgs[0] for c in cfgs), group
 
 
 def test_validation_loss_holds_out_the_training_prompts():
