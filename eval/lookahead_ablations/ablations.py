@@ -174,6 +174,15 @@ for _seed in (0, 1, 2):
                        f"targets from the reference answers (`teacher: answer`), training seed {_seed}", _over, False)
     VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
                                     {**_over, "lookahead": {**ANSWER_MULTI["lookahead"], **TAIL_30}}, _name)
+# tokens_8_codes' loss still falls at step 150 (0.151 over steps 100-125, 0.138 over 125-150, every seed): trained
+# twice as long, do its seeds meet?
+CODES_8 = {"lookahead": {"n_tokens": 8}, "data": {"sources": [{"tasks": ["ood_train_codes"]}]}}
+for _seed in (0, 1, 2):
+    _name = "tokens_8_codes_steps_300" + (f"_seed_{_seed}" if _seed else "")
+    _over = {**CODES_8, "train": {"steps": 300, **({"seed": _seed} if _seed else {})}}
+    VARIANTS[_name] = (f"tokens_8_codes trained for 300 steps, training seed {_seed}", _over, False)
+    VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
+                                    {**_over, "lookahead": {**CODES_8["lookahead"], **TAIL_30}}, _name)
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -304,7 +313,8 @@ SEED_PAIRS = {"tokens_8_seed_1": "tokens_8", "data_codes_seed_1": "data_codes",
               "codes_seed_1_kernel_15": "codes_kernel_15", "tokens_8_codes_seed_1": "tokens_8_codes",
               "tokens_8_codes_seed_1_tail_30": "tokens_8_codes_tail_30", "codes_seed_1_tail_30": "codes_tail_30",
               "tokens_8_codes_seed_2": "tokens_8_codes", "tokens_8_codes_seed_2_tail_30": "tokens_8_codes_tail_30",
-              **{f"answer_multi_seed_{s}{t}": f"answer_multi{t}" for s in (1, 2) for t in ("", "_tail_30")}}
+              **{f"{r}_seed_{s}{t}": f"{r}{t}" for r in ("answer_multi", "tokens_8_codes_steps_300") for s in (1, 2)
+                 for t in ("", "_tail_30")}}
 
 
 # a recipe's seeds (its variant first): compared as the per-sample mean over the seeds, since one seed's lead over
@@ -314,9 +324,13 @@ SEED_GROUPS = {"tokens_8_codes": ("tokens_8_codes", "tokens_8_codes_seed_1", "to
                                           "tokens_8_codes_seed_2_tail_30"),
                "answer_multi": ("answer_multi", "answer_multi_seed_1", "answer_multi_seed_2"),
                "answer_multi_tail_30": ("answer_multi_tail_30", "answer_multi_seed_1_tail_30",
-                                        "answer_multi_seed_2_tail_30")}
+                                        "answer_multi_seed_2_tail_30"),
+               "tokens_8_codes_steps_300_tail_30": ("tokens_8_codes_steps_300_tail_30",
+                                                    "tokens_8_codes_steps_300_seed_1_tail_30",
+                                                    "tokens_8_codes_steps_300_seed_2_tail_30")}
 # (recipe, the recipe it is measured against): both seed-means over the same samples
-GROUP_PAIRS = (("answer_multi_tail_30", "tokens_8_codes_tail_30"), ("answer_multi", "tokens_8_codes"))
+GROUP_PAIRS = (("answer_multi_tail_30", "tokens_8_codes_tail_30"), ("answer_multi", "tokens_8_codes"),
+               ("tokens_8_codes_steps_300_tail_30", "tokens_8_codes_tail_30"))
 
 
 def _seed_mean(group: str) -> dict[str, dict[str, float]]:
