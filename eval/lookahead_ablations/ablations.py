@@ -322,14 +322,13 @@ SEED_PAIRS = {"tokens_8_seed_1": "tokens_8", "data_codes_seed_1": "data_codes",
 SEED_GROUPS = {"tokens_8_codes": ("tokens_8_codes", "tokens_8_codes_seed_1", "tokens_8_codes_seed_2"),
                "tokens_8_codes_tail_30": ("tokens_8_codes_tail_30", "tokens_8_codes_seed_1_tail_30",
                                           "tokens_8_codes_seed_2_tail_30"),
-               "answer_multi": ("answer_multi", "answer_multi_seed_1", "answer_multi_seed_2"),
                "answer_multi_tail_30": ("answer_multi_tail_30", "answer_multi_seed_1_tail_30",
                                         "answer_multi_seed_2_tail_30"),
                "tokens_8_codes_steps_300_tail_30": ("tokens_8_codes_steps_300_tail_30",
                                                     "tokens_8_codes_steps_300_seed_1_tail_30",
                                                     "tokens_8_codes_steps_300_seed_2_tail_30")}
 # (recipe, the recipe it is measured against): both seed-means over the same samples
-GROUP_PAIRS = (("answer_multi_tail_30", "tokens_8_codes_tail_30"), ("answer_multi", "tokens_8_codes"),
+GROUP_PAIRS = (("answer_multi_tail_30", "tokens_8_codes_tail_30"),
                ("tokens_8_codes_steps_300_tail_30", "tokens_8_codes_tail_30"))
 
 
