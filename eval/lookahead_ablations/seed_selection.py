@@ -1,0 +1,97 @@
+"""Can a held-out, non-RULER score pick a recipe's best training seed? (issue 27)
+
+The recipes' seeds differ by up to 18 points on RULER, and the training objective on held-out prompts does not
+tell them apart (validation_loss.md). This probe scores each adapter by what it keeps, not by what the 135M model
+answers (it rarely quotes a record right even with the full cache): on held-out prompts of the lines families
+(data seed `--seed`, neither a training seed nor the eval's), the share of the answer records' codes
+(`--part code`, the values they end in) or whole records that the question-agnostic cache keeps at
+`--compression-ratio` (mean over layers, KV heads, records and prompts; no decoding). Each adapter's RULER 2K agnostic score (results/NAME, the same 44 samples) is printed beside it, and
+the rank correlation over the adapters, and per recipe whether the probe's best seed is RULER's best.
+
+    python eval/lookahead_ablations/seed_selection.py --runs runs/lookahead_ablations > eval/lookahead_ablations/seed_selection.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+import numpy as np
+
+import kvjax
+from kvjax.data.prompts import build_prompt, chat_overhead, encode_prompt
+from kvjax.eval.tasks import generate_task
+from kvjax.lookahead import load
+from kvjax.policies.lookahead import LookaheadKV
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from ablations import SEED_GROUPS, _scores  # noqa: E402
+from value_coverage import MODEL, value_spans  # noqa: E402
+
+
+def kept_share(cache, b: int, span: range) -> float:
+    """Share of `span`'s tokens kept in row b of a compressed cache, mean over layers and KV heads."""
+    pos, valid = np.asarray(cache.pos[:, b]), np.asarray(cache.valid[:, b])  # [L, H, C]
+    idx = np.asarray(span)
+    return float(np.mean([np.isin(idx, pos[l, h][valid[l, h]]).mean()
+                          for l in range(pos.shape[0]) for h in range(pos.shape[1])]))
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--runs", required=True, help="the ablations' training workdirs (NAME/export)")
+    ap.add_argument("--groups", nargs="+", default=list(SEED_GROUPS)[1:], choices=list(SEED_GROUPS))
+    ap.add_argument("--tasks", nargs="+", default=["records_recall", "record_recall"])
+    ap.add_argument("--num-samples", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=5000, help="data seed of the held-out prompts")
+    ap.add_argument("--compression-ratio", type=float, default=0.75)
+    ap.add_argument("--part", choices=("record", "code"), default="code",
+                    help="the spans scored: each answer record whole, or its code alone (the value a record ends in)")
+    args = ap.parse_args()
+    model = kvjax.load_model(MODEL)
+    tok = model.tokenizer
+    contexts, spans = [], []
+    for task in args.tasks:
+        for s in generate_task(task, tok, 2048, args.num_samples, seed=args.seed, overhead=chat_overhead(tok)):
+            ctx, _ = encode_prompt(build_prompt(s, tok, query_aware=False), tok)
+            contexts.append(ctx)
+            values = [a if args.part == "record" else a.rstrip(".").split()[-1] for a in s["answers"]]
+            spans.append(value_spans(ctx, tok, values))
+    r = args.compression_ratio
+    what = "codes" if args.part == "code" else "tokens"
+    print(f"Held-out prompts: {', '.join(args.tasks)} x {args.num_samples} (data seed {args.seed}), 2,048 tokens; "
+          f"kept = share of the answer records' {what} kept question-agnostic at r={r} (mean over layers, KV heads, "
+          f"records, prompts); RULER = the adapter's RULER 2K agnostic score at r=0.5 / 0.75 (44 samples).\n")
+    print("| adapter | kept | RULER r=0.5 | RULER r=0.75 |\n|---|---:|---:|---:|")
+    rows = {}
+    for group in args.groups:
+        for name in SEED_GROUPS[group]:
+            policy = LookaheadKV(adapter=load(pathlib.Path(args.runs) / name / "export"))
+            kept = []
+            for i in range(0, len(contexts), 4):
+                cache = kvjax.engine.compress(model, contexts[i:i + 4], policy=policy, compression_ratio=r)
+                kept += [kept_share(cache, b, sp) for b, ss in enumerate(spans[i:i + 4]) for sp in ss]
+            ruler = {k: 100 * np.mean(list(v.values())) for k, v in _scores(name).items() if k != "full"}
+            rows[name] = (float(np.mean(kept)), ruler.get("r=0.5", np.nan), ruler.get("r=0.75", np.nan))
+            print(f"| {name} | {rows[name][0]:.3f} | {rows[name][1]:.1f} | {rows[name][2]:.1f} |", flush=True)
+    names = list(rows)
+    print()
+    for k, setting in ((1, "r=0.5"), (2, "r=0.75")):
+        print(f"- Spearman rank correlation of kept with RULER {setting} over the {len(names)} adapters: "
+              f"{spearman([rows[n][0] for n in names], [rows[n][k] for n in names]):+.2f}")
+    for group in args.groups:
+        members = SEED_GROUPS[group]
+        by_probe = max(members, key=lambda n: rows[n][0])
+        by_ruler = max(members, key=lambda n: rows[n][1] + rows[n][2])
+        print(f"- {group}: the probe picks {by_probe}, RULER's best (sum of both ratios) is {by_ruler}")
+
+
+if __name__ == "__main__":
+    main()
