@@ -4,7 +4,7 @@
     lookahead: kvjax.lookahead.LookaheadConfig fields (n_tokens, rank, alpha, projections, ...)
     data:      prompt sources (synthetic | jsonl | parquet | hf), prompt length cap, chat template
     targets:   the frozen model's greedy response cap and the target-generation batch
-    train:     steps, batch, seed, checkpoint and log intervals
+    train:     steps, batch, seeds (batch order, initialisation), checkpoint and log intervals
     optim:     AdamW + warmup-cosine + global-norm clip (policies.md §11.4 defaults)
     mesh:      device mesh ("data", "model") sizes
     export:    eval scores to put in the card
@@ -148,7 +148,8 @@ class TargetsSection:
 class TrainSection:
     steps: int | None = None  # None: one epoch (records // batch_size)
     batch_size: int = 8
-    seed: int = 0  # shuffle order and adapter initialisation
+    seed: int = 0  # shuffle order, and adapter initialisation unless init_seed is set
+    init_seed: int | None = None  # the adapter's initialisation alone (None: seed), to tell the two apart
     checkpoint_every: int = 50
     log_every: int = 10
     remat: bool = False  # rematerialise the lookahead pass's layers in the backward pass (long prompts)
@@ -167,9 +168,17 @@ class TrainSection:
             raise ValueError(f"train.topk_fraction must be in (0, 1], got {self.topk_fraction!r}")
         if self.steps is not None:
             _positive("train.steps", self.steps)
+        if self.init_seed is not None and (not isinstance(self.init_seed, int) or self.init_seed < 0):
+            raise ValueError(f"train.init_seed must be an integer >= 0 or null (null: train.seed), "
+                             f"got {self.init_seed!r}")
         _positive("train.batch_size", self.batch_size)
         _positive("train.checkpoint_every", self.checkpoint_every)
         _positive("train.log_every", self.log_every)
+
+    @property
+    def adapter_seed(self) -> int:
+        """The seed of the adapter's initialisation (`init_seed`, else `seed`)."""
+        return self.seed if self.init_seed is None else self.init_seed
 
 
 @dataclasses.dataclass(frozen=True)

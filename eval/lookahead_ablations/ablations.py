@@ -184,6 +184,16 @@ for _seed in (0, 1, 2):
     VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
                                     {**_over, "lookahead": {**CODES_8["lookahead"], **TAIL_30}}, _name)
 
+# seed 0 leads at 150 and at 300 steps, and a training seed sets two things: the adapter's initialisation and the
+# batch order. Each moved alone (`train.init_seed`), the other held at seed 0's
+for _seed in (1, 2):
+    for _name, _train, _what in ((f"tokens_8_codes_init_{_seed}", {"init_seed": _seed}, "initialisation"),
+                                 (f"tokens_8_codes_order_{_seed}", {"seed": _seed, "init_seed": 0}, "batch order")):
+        _over = {**CODES_8, "train": _train}
+        VARIANTS[_name] = (f"tokens_8_codes with its {_what} from seed {_seed}, the other from seed 0", _over, False)
+        VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
+                                        {**_over, "lookahead": {**CODES_8["lookahead"], **TAIL_30}}, _name)
+
 
 def _merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
@@ -326,7 +336,12 @@ SEED_GROUPS = {"tokens_8_codes": ("tokens_8_codes", "tokens_8_codes_seed_1", "to
                                         "answer_multi_seed_2_tail_30"),
                "tokens_8_codes_steps_300_tail_30": ("tokens_8_codes_steps_300_tail_30",
                                                     "tokens_8_codes_steps_300_seed_1_tail_30",
-                                                    "tokens_8_codes_steps_300_seed_2_tail_30")}
+                                                    "tokens_8_codes_steps_300_seed_2_tail_30"),
+               # one factor of the seed at a time, the other at seed 0's (not a recipe: the spread's source)
+               "tokens_8_codes_init_tail_30": ("tokens_8_codes_tail_30", "tokens_8_codes_init_1_tail_30",
+                                               "tokens_8_codes_init_2_tail_30"),
+               "tokens_8_codes_order_tail_30": ("tokens_8_codes_tail_30", "tokens_8_codes_order_1_tail_30",
+                                                "tokens_8_codes_order_2_tail_30")}
 # (recipe, the recipe it is measured against): both seed-means over the same samples
 GROUP_PAIRS = (("answer_multi_tail_30", "tokens_8_codes_tail_30"),
                ("tokens_8_codes_steps_300_tail_30", "tokens_8_codes_tail_30"))
@@ -366,7 +381,9 @@ def _seed_groups() -> list[str]:
     return ["", "## Recipes over seeds", "",
             "A recipe is its seeds (training seeds 0 / 1 / 2: LoRA init and batch order), each scored on the same "
             "samples; mean = the per-sample mean over the three (shown once all three ran). Recipes are compared by "
-            "that mean, paired over the samples, ± its standard error stratified by task.", "",
+            "that mean, paired over the samples, ± its standard error stratified by task. The `_init` and `_order` "
+            "rows move one part of the seed (`train.init_seed`: the adapter's initialisation; `train.seed` with "
+            "init_seed 0: the batch order) and hold the other at seed 0's.", "",
             "| recipe | r=0.5, seeds 0 / 1 / 2 | r=0.75, seeds 0 / 1 / 2 | mean r=0.5 | mean r=0.75 |",
             "|---|---:|---:|---:|---:|", *rows,
             *(["", "| recipes (seed means) | diff r=0.5 | diff r=0.75 |", "|---|---:|---:|", *pairs] if pairs else [])]

@@ -73,6 +73,8 @@ def main() -> None:
     rows = {}
     for group in args.groups:
         for name in SEED_GROUPS[group]:
+            if name in rows:  # a member of two groups (the init and order groups share seed 0)
+                continue
             policy = LookaheadKV(adapter=load(pathlib.Path(args.runs) / name / "export"))
             kept = []
             for i in range(0, len(contexts), 4):

@@ -48,6 +48,7 @@ def test_unknown_keys_are_named(d, names):
     ({"train": {"loss": "ranking"}}, ["train.loss", "'kl'", "'topk'"]),
     ({"train": {"loss": "topk", "topk_fraction": 1.5}}, ["train.topk_fraction", "(0, 1]"]),
     ({"lookahead": {"n_tokens": 8, "span": 4}}, ["span", ">= 8"]),
+    ({"train": {"init_seed": -1}}, ["train.init_seed", ">= 0 or null"]),
 ])
 def test_bad_values_name_the_field(d, words):
     with pytest.raises(ValueError) as e:
@@ -107,11 +108,16 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
     assert multi.data.sources[1].num_samples == 64 and multi.targets.teacher == "answer" and multi.train.seed == 2
     assert ab.targets_owner("answer_multi_seed_2") == ab.targets_owner("answer_multi") == "answer_multi"
     assert ab.parent_of("answer_multi_seed_1_tail_30") == "answer_multi_seed_1"
-    # a seed group is one recipe at training seeds 0, 1, 2 and nothing else
+    # a seed group is one recipe at three seeds and nothing else: both parts of the seed (batch order, init) at
+    # 0, 1, 2, or one part at 0, 1, 2 and the other at 0
     for group, members in ab.SEED_GROUPS.items():
-        cfgs = [ab.variant_config(m) for m in members]
-        assert [c["train"]["seed"] for c in cfgs] == [0, 1, 2], group
-        assert all({**c, "train": {**c["train"], "seed": 0}} == cfgs[0] for c in cfgs), group
+        cfgs = [RunConfig.from_dict(ab.variant_config(m)) for m in members]
+        seeds = [(c.train.seed, c.train.adapter_seed) for c in cfgs]
+        assert seeds in ([(0, 0), (1, 1), (2, 2)], [(0, 0), (0, 1), (0, 2)], [(0, 0), (1, 0), (2, 0)]), group
+        unseeded = [dataclasses.replace(c, train=dataclasses.replace(c.train, seed=0, init_seed=None)) for c in cfgs]
+        assert all(u == unseeded[0] for u in unseeded), group
+        assert [c.lookahead for c in cfgs] == [cfgs[0].lookahead] * 3, group
+    assert RunConfig.from_dict(ab.variant_config("tokens_8_codes_order_2")).train.adapter_seed == 0
 
 
 def test_validation_loss_holds_out_the_training_prompts():

@@ -4,6 +4,7 @@ refuses to resume under another config, and a recorded run's resumes under its o
 import dataclasses
 import json
 import pathlib
+import types
 
 import jax
 import numpy as np
@@ -68,3 +69,30 @@ def test_a_batch_that_does_not_split_over_the_mesh_fails_before_any_work(tmp_pat
     with pytest.raises(ValueError, match=r"train\.batch_size=3 must be divisible by the mesh's data axis \(2\)"):
         pipeline.run(cfg, tmp_path)
     assert not (tmp_path / "targets").exists()
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("train, order, init", [({"seed": 3}, 3, 3), ({"seed": 3, "init_seed": 5}, 3, 5),
+                                                ({"init_seed": 0}, 0, 0)])
+def test_batch_order_follows_seed_and_initialisation_init_seed(monkeypatch, tmp_path, train, order, init):
+    """`train.seed` shuffles the batches; the adapter starts from `train.init_seed` when set, else from `seed`."""
+    seen = {}
+    monkeypatch.setattr(pipeline, "load_frozen", lambda cfg, mesh: types.SimpleNamespace(config=None))
+    monkeypatch.setattr(pipeline, "check_positions", lambda *a: None)
+    monkeypatch.setattr(pipeline, "generate_targets", lambda *a, **k: tmp_path)
+    monkeypatch.setattr(pipeline, "TargetRecords", lambda folder: list(range(16)))
+    monkeypatch.setattr(pipeline, "train_dataset", lambda records, **k: seen.setdefault("order", k["seed"]))
+
+    def init_adapter(model, config, key):
+        seen["init"] = key
+        raise _Stop
+
+    monkeypatch.setattr(pipeline, "init_adapter", init_adapter)
+    with pytest.raises(_Stop):
+        pipeline.run(RunConfig.from_dict({"train": {"batch_size": 8, **train}}), tmp_path / "work")
+    assert seen["order"] == order
+    np.testing.assert_array_equal(np.asarray(jax.random.key_data(seen["init"])),
+                                  np.asarray(jax.random.key_data(jax.random.PRNGKey(init))))
