@@ -270,7 +270,7 @@ def run(names: list[str], runs: pathlib.Path, evaluate: bool = True) -> None:
                 parents = parents_of(name)
                 for parent in parents:
                     if not (runs / parent / "export" / "adapter.safetensors").exists():  # else its eval may run elsewhere
-                        run([parent], runs)
+                        run([parent], runs, evaluate)
                 if len(parents) == 1:
                     shutil.copytree(runs / parents[0] / "export", export, dirs_exist_ok=True)
                     conf = json.loads((export / "adapter_config.json").read_text())

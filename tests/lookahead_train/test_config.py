@@ -140,3 +140,37 @@ def test_validation_loss_holds_out_the_training_prompts():
     assert [s.tasks for s in out.data.sources] == [s.tasks for s in cfg.data.sources] and out.lookahead == cfg.lookahead
     with pytest.raises(ValueError, match="training source's seed"):
         vl.held_out(cfg, 3, 16)
+
+
+def test_train_only_never_scores_the_adapter_an_eval_only_variant_trains_first(tmp_path, monkeypatch):
+    """`ablations.py run --train-only` on an eval-only variant trains its missing parent and scores neither."""
+    import importlib.util
+    import json
+
+    path = CONFIGS.parent / "eval" / "lookahead_ablations" / "ablations.py"
+    spec = importlib.util.spec_from_file_location("ablations_run", path)
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    (tmp_path / "here").mkdir()
+    monkeypatch.setattr(ab, "HERE", tmp_path / "here")
+    calls = []
+
+    def sh(cmd, log):
+        calls.append(cmd)
+        if "train_lookahead" in cmd:  # a trained adapter: its export (with the config the eval-only copy edits)
+            export = pathlib.Path(cmd[cmd.index("--workdir") + 1]) / "export"
+            export.mkdir(parents=True)
+            (export / "adapter.safetensors").write_bytes(b"")
+            (export / "adapter_config.json").write_text(json.dumps({"config": {}}))
+        return 1.0
+
+    monkeypatch.setattr(ab, "_sh", sh)
+    runs = tmp_path / "runs"
+    (runs / "data_codes" / "targets").mkdir(parents=True)
+    (runs / "data_codes" / "targets" / "manifest.json").write_text("{}")  # the shared targets exist
+    ab.run(["tokens_8_codes_init_1_tail_30"], runs, evaluate=False)
+    assert [c[c.index("-m") + 1] for c in calls] == ["train_lookahead"]
+    assert "tokens_8_codes_init_1.yaml" in calls[0][calls[0].index("--config") + 1]
+    exported = json.loads((runs / "tokens_8_codes_init_1_tail_30" / "export" / "adapter_config.json").read_text())
+    assert exported["config"]["tail"] == 30
+    assert not (tmp_path / "here" / "results").exists()
