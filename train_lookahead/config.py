@@ -150,6 +150,8 @@ class TrainSection:
     batch_size: int = 8
     seed: int = 0  # shuffle order, and adapter initialisation unless init_seed is set
     init_seed: int | None = None  # the adapter's initialisation alone (None: seed), to tell the two apart
+    # the vocabulary ids whose embeddings start the lookahead tokens (n_tokens of them); None: drawn by the init seed
+    init_tokens: tuple[int, ...] | None = None
     checkpoint_every: int = 50
     log_every: int = 10
     remat: bool = False  # rematerialise the lookahead pass's layers in the backward pass (long prompts)
@@ -215,6 +217,12 @@ class RunConfig:
     optim: OptimSection = OptimSection()
     mesh: MeshSection = MeshSection()
     export: ExportSection = ExportSection()
+
+    def __post_init__(self):
+        tokens = self.train.init_tokens
+        if tokens is not None and (len(tokens) != self.lookahead.n_tokens or any(t < 0 for t in tokens)):
+            raise ValueError(f"train.init_tokens must list lookahead.n_tokens={self.lookahead.n_tokens} vocabulary "
+                             f"ids >= 0, got {list(tokens)}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "RunConfig":

@@ -77,7 +77,8 @@ def card(cfg: RunConfig, *, command: str, model_path: str, steps: int, records: 
         "",
         f"- modules: n_tokens={la.n_tokens}, LoRA rank={la.rank}, alpha={la.alpha:g} on {', '.join(la.projections)}",
         f"- steps: {steps}, batch {t.batch_size}, seed {t.seed}"
-        + (f" (batch order; initialisation: seed {t.init_seed})" if t.init_seed is not None else ""),
+        + (f" (batch order; initialisation: seed {t.init_seed})" if t.init_seed is not None else "")
+        + (f"; lookahead tokens start from the embeddings of ids {list(t.init_tokens)}" if t.init_tokens else ""),
         f"- AdamW lr {o.learning_rate:g} (warmup {o.warmup_fraction:g}, cosine to {o.final_fraction:g}x), "
         f"betas ({o.b1:g}, {o.b2:g}), weight decay {o.weight_decay:g}, clip {o.clip_norm:g}",
         "- loss: forward KL(target || predicted) over prompt positions, mean over layers and query heads"

@@ -94,7 +94,8 @@ def run(cfg: RunConfig, workdir: str | os.PathLike, *, command: str = "", progre
                          max_prompt_tokens=cfg.data.max_prompt_tokens,
                          max_response_tokens=cfg.targets.max_response_tokens, process_index=jax.process_index(),
                          process_count=jax.process_count(), query_aware=cfg.train.query_aware)
-    adapter = init_adapter(model, cfg.lookahead, jax.random.PRNGKey(cfg.train.adapter_seed))
+    adapter = init_adapter(model, cfg.lookahead, jax.random.PRNGKey(cfg.train.adapter_seed),
+                           token_ids=cfg.train.init_tokens)
     loss = lookahead_loss(model.config, cfg.lookahead, cfg.train.remat, cfg.train.loss, cfg.train.topk_fraction)
     trained, done = train(loss, adapter.params, model.params,
                           data, steps=steps, optim=cfg.optim, workdir=workdir, mesh=mesh,

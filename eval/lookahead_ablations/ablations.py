@@ -194,6 +194,20 @@ for _seed in (1, 2):
         VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
                                         {**_over, "lookahead": {**CODES_8["lookahead"], **TAIL_30}}, _name)
 
+# the initialisation is two draws: the 8 vocabulary tokens whose embeddings start the lookahead tokens, and the LoRA
+# factors. Seeds 0 and 1 drew these ids (`init_adapter`, SmolLM2's 49,152 tokens, JAX 0.10); each swapped alone
+INIT_TOKENS = {0: [39303, 35809, 28367, 37885, 180, 14756, 24779, 20209],  # ' rebellious' ... '�' (a byte) ... ' lava'
+               1: [19458, 37797, 19432, 42851, 25348, 12153, 46026, 34399]}  # ' housed', ' Memor', ')"', ' FREE' ...
+for _name, _train, _what in (
+        ("tokens_8_codes_init_1_tokens_0", {"init_seed": 1, "init_tokens": INIT_TOKENS[0]},
+         "LoRA initialisation from seed 1, lookahead tokens from seed 0's token embeddings"),
+        ("tokens_8_codes_tokens_1", {"init_tokens": INIT_TOKENS[1]},
+         "seed 0 but the lookahead tokens from seed 1's token embeddings")):
+    _over = {**CODES_8, "train": _train}
+    VARIANTS[_name] = (f"tokens_8_codes with its {_what} (batch order 0)", _over, False)
+    VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
+                                    {**_over, "lookahead": {**CODES_8["lookahead"], **TAIL_30}}, _name)
+
 
 def _merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)

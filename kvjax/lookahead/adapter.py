@@ -118,10 +118,12 @@ def _model_of(model: Any) -> tuple[dict[str, Any] | None, ModelConfig]:
     return model.params, cfg
 
 
-def init_adapter(model: Any, config: LookaheadConfig | None = None, key: jax.Array | None = None) -> Adapter:
+def init_adapter(model: Any, config: LookaheadConfig | None = None, key: jax.Array | None = None, *,
+                 token_ids: Sequence[int] | None = None) -> Adapter:
     """Fresh modules (policies.md §11.4): LoRA A Kaiming-uniform over its input dimension
     (U(-1/sqrt(in), 1/sqrt(in)), the usual LoRA init), B = 0 (so training starts at the frozen
-    model), and the embeddings copied from `n_tokens` distinct random vocabulary tokens."""
+    model), and the embeddings copied from `n_tokens` distinct random vocabulary tokens, or from
+    `token_ids` (n_tokens vocabulary ids) when given; `key` draws both (the ids only when not given)."""
     params, cfg = _model_of(model)
     if params is None:
         raise TypeError("init_adapter needs a kvjax.Model (its embedding table seeds the lookahead tokens)")
@@ -133,6 +135,12 @@ def init_adapter(model: Any, config: LookaheadConfig | None = None, key: jax.Arr
     k_tok, *k_proj = jax.random.split(key, 1 + len(config.projections))
     n = config.n_tokens
     ids = jax.random.choice(k_tok, cfg.vocab_size, (n,), replace=n > cfg.vocab_size)
+    if token_ids is not None:
+        if len(token_ids) != n or not all(isinstance(t, (int, np.integer)) and 0 <= t < cfg.vocab_size
+                                          for t in token_ids):
+            raise ValueError(f"token_ids must be {n} (n_tokens) vocabulary ids in [0, {cfg.vocab_size}), "
+                             f"got {list(token_ids)!r}")
+        ids = jnp.asarray(token_ids, jnp.int32)
     lora = {}
     for k, p in zip(k_proj, config.projections):
         i, o = info.projection_shape(p)

@@ -74,6 +74,23 @@ def test_init_shapes_and_save_load_roundtrip(tiny, tmp_path):
     assert lk.load(tmp_path / "ad" / "adapter_config.json").config == conf
 
 
+def test_init_from_given_token_ids_keeps_the_key_s_lora(tiny):
+    """token_ids fix the lookahead embeddings (those tokens' rows of the embedding table, in order); the key still
+    draws the LoRA factors, as without them."""
+    conf = lk.LookaheadConfig(n_tokens=3, rank=2, projections=("q", "up"))
+    ids = [7, 2, 7]
+    a = lk.init_adapter(tiny, conf, jax.random.PRNGKey(1), token_ids=ids)
+    np.testing.assert_array_equal(np.asarray(a.params["embeddings"]),
+                                  np.asarray(tiny.params["embed"], np.float32)[ids])
+    free = lk.init_adapter(tiny, conf, jax.random.PRNGKey(1))
+    for x, y in zip(jax.tree.leaves(a.params["lora"]), jax.tree.leaves(free.params["lora"])):
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+    V = tiny.config.vocab_size
+    for bad in ([1, 2], [1, 2, V], [1, -1, 2]):
+        with pytest.raises(ValueError, match=rf"token_ids must be 3 \(n_tokens\) vocabulary ids in \[0, {V}\)"):
+            lk.init_adapter(tiny, conf, jax.random.PRNGKey(1), token_ids=bad)
+
+
 def test_load_errors(tiny, tmp_path):
     a = lk.init_adapter(tiny, lk.LookaheadConfig(n_tokens=2, rank=2), jax.random.PRNGKey(0))
     folder = lk.save(a, tmp_path / "ok")

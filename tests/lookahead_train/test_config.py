@@ -49,6 +49,8 @@ def test_unknown_keys_are_named(d, names):
     ({"train": {"loss": "topk", "topk_fraction": 1.5}}, ["train.topk_fraction", "(0, 1]"]),
     ({"lookahead": {"n_tokens": 8, "span": 4}}, ["span", ">= 8"]),
     ({"train": {"init_seed": -1}}, ["train.init_seed", ">= 0 or null"]),
+    ({"lookahead": {"n_tokens": 2}, "train": {"init_tokens": [5, 6, 7]}}, ["train.init_tokens", "n_tokens=2"]),
+    ({"lookahead": {"n_tokens": 2}, "train": {"init_tokens": [5, -6]}}, ["train.init_tokens", ">= 0"]),
 ])
 def test_bad_values_name_the_field(d, words):
     with pytest.raises(ValueError) as e:

@@ -76,9 +76,10 @@ class _Stop(Exception):
 
 
 @pytest.mark.parametrize("train, order, init", [({"seed": 3}, 3, 3), ({"seed": 3, "init_seed": 5}, 3, 5),
-                                                ({"init_seed": 0}, 0, 0)])
+                                                ({"init_seed": 0, "init_tokens": list(range(32))}, 0, 0)])
 def test_batch_order_follows_seed_and_initialisation_init_seed(monkeypatch, tmp_path, train, order, init):
-    """`train.seed` shuffles the batches; the adapter starts from `train.init_seed` when set, else from `seed`."""
+    """`train.seed` shuffles the batches; the adapter starts from `train.init_seed` when set, else from `seed`,
+    and from `train.init_tokens`' embeddings when given."""
     seen = {}
     monkeypatch.setattr(pipeline, "load_frozen", lambda cfg, mesh: types.SimpleNamespace(config=None))
     monkeypatch.setattr(pipeline, "check_positions", lambda *a: None)
@@ -86,13 +87,14 @@ def test_batch_order_follows_seed_and_initialisation_init_seed(monkeypatch, tmp_
     monkeypatch.setattr(pipeline, "TargetRecords", lambda folder: list(range(16)))
     monkeypatch.setattr(pipeline, "train_dataset", lambda records, **k: seen.setdefault("order", k["seed"]))
 
-    def init_adapter(model, config, key):
-        seen["init"] = key
+    def init_adapter(model, config, key, token_ids=None):
+        seen["init"], seen["tokens"] = key, token_ids
         raise _Stop
 
     monkeypatch.setattr(pipeline, "init_adapter", init_adapter)
     with pytest.raises(_Stop):
         pipeline.run(RunConfig.from_dict({"train": {"batch_size": 8, **train}}), tmp_path / "work")
     assert seen["order"] == order
+    assert seen["tokens"] == (tuple(train["init_tokens"]) if "init_tokens" in train else None)
     np.testing.assert_array_equal(np.asarray(jax.random.key_data(seen["init"])),
                                   np.asarray(jax.random.key_data(jax.random.PRNGKey(init))))
