@@ -208,6 +208,16 @@ for _name, _train, _what in (
     VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
                                     {**_over, "lookahead": {**CODES_8["lookahead"], **TAIL_30}}, _name)
 
+# the token draw, not the LoRA init or the batch order, moved the score: seed 0's token ids at seeds 1 and 2 (LoRA
+# init and batch order both theirs) -- with tokens_8_codes (which drew those ids) a recipe at three seeds
+for _seed in (1, 2):
+    _name = f"tokens_8_codes_tokens_0_seed_{_seed}"
+    _over = {**CODES_8, "train": {"seed": _seed, "init_tokens": INIT_TOKENS[0]}}
+    VARIANTS[_name] = (f"tokens_8_codes, lookahead tokens from seed 0's token embeddings, training seed {_seed} (LoRA "
+                       "init and batch order)", _over, False)
+    VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
+                                    {**_over, "lookahead": {**CODES_8["lookahead"], **TAIL_30}}, _name)
+
 
 def _merge(base: dict, over: dict) -> dict:
     out = copy.deepcopy(base)
@@ -355,7 +365,10 @@ SEED_GROUPS = {"tokens_8_codes": ("tokens_8_codes", "tokens_8_codes_seed_1", "to
                "tokens_8_codes_init_tail_30": ("tokens_8_codes_tail_30", "tokens_8_codes_init_1_tail_30",
                                                "tokens_8_codes_init_2_tail_30"),
                "tokens_8_codes_order_tail_30": ("tokens_8_codes_tail_30", "tokens_8_codes_order_1_tail_30",
-                                                "tokens_8_codes_order_2_tail_30")}
+                                                "tokens_8_codes_order_2_tail_30"),
+               # seed 0's token ids at every seed (tokens_8_codes drew them itself)
+               "tokens_8_codes_tokens_0_tail_30": ("tokens_8_codes_tail_30", "tokens_8_codes_tokens_0_seed_1_tail_30",
+                                                   "tokens_8_codes_tokens_0_seed_2_tail_30")}
 # (recipe, the recipe it is measured against): both seed-means over the same samples
 GROUP_PAIRS = (("answer_multi_tail_30", "tokens_8_codes_tail_30"),
                ("tokens_8_codes_steps_300_tail_30", "tokens_8_codes_tail_30"))

@@ -116,7 +116,12 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
         cfgs = [RunConfig.from_dict(ab.variant_config(m)) for m in members]
         seeds = [(c.train.seed, c.train.adapter_seed) for c in cfgs]
         assert seeds in ([(0, 0), (1, 1), (2, 2)], [(0, 0), (0, 1), (0, 2)], [(0, 0), (1, 0), (2, 0)]), group
-        unseeded = [dataclasses.replace(c, train=dataclasses.replace(c.train, seed=0, init_seed=None)) for c in cfgs]
+        # a member whose init_tokens are the ids its own seed draws (tokens_8_codes: seed 0's) is the same recipe
+        drawn = [c.train.init_tokens if c.train.init_tokens is not None else tuple(ab.INIT_TOKENS.get(
+            c.train.adapter_seed, ())) for c in cfgs]
+        assert all(d == drawn[0] for d in drawn) or not any(c.train.init_tokens for c in cfgs), group
+        unseeded = [dataclasses.replace(c, train=dataclasses.replace(c.train, seed=0, init_seed=None, init_tokens=None))
+                    for c in cfgs]
         assert all(u == unseeded[0] for u in unseeded), group
         assert [c.lookahead for c in cfgs] == [cfgs[0].lookahead] * 3, group
     assert RunConfig.from_dict(ab.variant_config("tokens_8_codes_order_2")).train.adapter_seed == 0
