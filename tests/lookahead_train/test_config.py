@@ -125,6 +125,13 @@ def test_every_ablation_variant_is_a_valid_run_config_that_changes_one_thing():
         assert all(u == unseeded[0] for u in unseeded), group
         assert [c.lookahead for c in cfgs] == [cfgs[0].lookahead] * 3, group
     assert RunConfig.from_dict(ab.variant_config("tokens_8_codes_order_2")).train.adapter_seed == 0
+    # the seed-parts table names each part's seed from the configs themselves
+    assert [ab.seed_parts(n) for n in ("tokens_8_codes_tail_30", "tokens_8_codes_seed_2_tail_30",
+                                       "tokens_8_codes_order_1_tail_30", "tokens_8_codes_init_2_tail_30",
+                                       "tokens_8_codes_init_1_tokens_0_tail_30", "tokens_8_codes_tokens_1_tail_30",
+                                       "tokens_8_codes_tokens_0_seed_2_tail_30")] == [
+        (0, 0, 0), (2, 2, 2), (1, 0, 0), (0, 2, 2), (0, 1, 0), (0, 0, 1), (2, 2, 0)]
+    assert all(ab.parent_of(n) != n for n in ab.SEED_PARTS)  # each is a trained adapter scored with the tail
 
 
 def test_validation_loss_holds_out_the_training_prompts():
