@@ -371,7 +371,8 @@ SEED_GROUPS = {"tokens_8_codes": ("tokens_8_codes", "tokens_8_codes_seed_1", "to
                                                    "tokens_8_codes_tokens_0_seed_2_tail_30")}
 # (recipe, the recipe it is measured against): both seed-means over the same samples
 GROUP_PAIRS = (("answer_multi_tail_30", "tokens_8_codes_tail_30"),
-               ("tokens_8_codes_steps_300_tail_30", "tokens_8_codes_tail_30"))
+               ("tokens_8_codes_steps_300_tail_30", "tokens_8_codes_tail_30"),
+               ("tokens_8_codes_tokens_0_tail_30", "tokens_8_codes_tail_30"))
 
 
 def _seed_mean(group: str) -> dict[str, dict[str, float]]:
@@ -410,7 +411,8 @@ def _seed_groups() -> list[str]:
             "samples; mean = the per-sample mean over the three (shown once all three ran). Recipes are compared by "
             "that mean, paired over the samples, ± its standard error stratified by task. The `_init` and `_order` "
             "rows move one part of the seed (`train.init_seed`: the adapter's initialisation; `train.seed` with "
-            "init_seed 0: the batch order) and hold the other at seed 0's.", "",
+            "init_seed 0: the batch order) and hold the other at seed 0's; `_tokens_0` starts every seed's lookahead tokens from the "
+            "embeddings seed 0 drew (`train.init_tokens`).", "",
             "| recipe | r=0.5, seeds 0 / 1 / 2 | r=0.75, seeds 0 / 1 / 2 | mean r=0.5 | mean r=0.75 |",
             "|---|---:|---:|---:|---:|", *rows,
             *(["", "| recipes (seed means) | diff r=0.5 | diff r=0.75 |", "|---|---:|---:|", *pairs] if pairs else [])]
