@@ -197,7 +197,11 @@ for _seed in (1, 2):
 # the initialisation is two draws: the 8 vocabulary tokens whose embeddings start the lookahead tokens, and the LoRA
 # factors. Seeds 0 and 1 drew these ids (`init_adapter`, SmolLM2's 49,152 tokens, JAX 0.10); each swapped alone
 INIT_TOKENS = {0: [39303, 35809, 28367, 37885, 180, 14756, 24779, 20209],  # ' rebellious' ... '�' (a byte) ... ' lava'
-               1: [19458, 37797, 19432, 42851, 25348, 12153, 46026, 34399]}  # ' housed', ' Memor', ')"', ' FREE' ...
+               1: [19458, 37797, 19432, 42851, 25348, 12153, 46026, 34399],  # ' housed', ' Memor', ')"', ' FREE' ...
+               2: [35532, 38536, 7493, 45179, 22381, 14473, 16126, 15166],
+               3: [29985, 40895, 17825, 240, 2320, 14233, 25254, 25122],
+               4: [8559, 37180, 26379, 25489, 18563, 30983, 10054, 15395],
+               5: [21306, 48180, 8128, 3169, 1034, 35573, 18814, 6871]}
 for _name, _train, _what in (
         ("tokens_8_codes_init_1_tokens_0", {"init_seed": 1, "init_tokens": INIT_TOKENS[0]},
          "LoRA initialisation from seed 1, lookahead tokens from seed 0's token embeddings"),
@@ -215,6 +219,17 @@ for _seed in (1, 2):
     _over = {**CODES_8, "train": {"seed": _seed, "init_tokens": INIT_TOKENS[0]}}
     VARIANTS[_name] = (f"tokens_8_codes, lookahead tokens from seed 0's token embeddings, training seed {_seed} (LoRA "
                        "init and batch order)", _over, False)
+    VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
+                                    {**_over, "lookahead": {**CODES_8["lookahead"], **TAIL_30}}, _name)
+
+
+# choosing the draw without RULER: more token draws (seeds 3-5's ids; LoRA init and batch order seed 0's), each
+# probed on held-out prose (`seed_selection.py --part fidelity`) before RULER scores it
+for _seed in (3, 4, 5):
+    _name = f"tokens_8_codes_tokens_{_seed}"
+    _over = {**CODES_8, "train": {"init_tokens": INIT_TOKENS[_seed]}}
+    VARIANTS[_name] = (f"tokens_8_codes with its seed 0 but the lookahead tokens from seed {_seed}'s token embeddings "
+                       "(batch order 0)", _over, False)
     VARIANTS[_name + "_tail_30"] = (f"{_name}'s adapter, scored as tokens_8_codes_tail_30",
                                     {**_over, "lookahead": {**CODES_8["lookahead"], **TAIL_30}}, _name)
 
@@ -368,7 +383,11 @@ SEED_GROUPS = {"tokens_8_codes": ("tokens_8_codes", "tokens_8_codes_seed_1", "to
                                                 "tokens_8_codes_order_2_tail_30"),
                # seed 0's token ids at every seed (tokens_8_codes drew them itself)
                "tokens_8_codes_tokens_0_tail_30": ("tokens_8_codes_tail_30", "tokens_8_codes_tokens_0_seed_1_tail_30",
-                                                   "tokens_8_codes_tokens_0_seed_2_tail_30")}
+                                                   "tokens_8_codes_tokens_0_seed_2_tail_30"),
+               # five draws of the token ids (0, 1, 3, 4, 5), LoRA init and batch order seed 0's: the probe's pool
+               "tokens_8_codes_draws_tail_30": ("tokens_8_codes_tail_30", "tokens_8_codes_tokens_1_tail_30",
+                                                "tokens_8_codes_tokens_3_tail_30", "tokens_8_codes_tokens_4_tail_30",
+                                                "tokens_8_codes_tokens_5_tail_30")}
 # (recipe, the recipe it is measured against): both seed-means over the same samples
 GROUP_PAIRS = (("answer_multi_tail_30", "tokens_8_codes_tail_30"),
                ("tokens_8_codes_steps_300_tail_30", "tokens_8_codes_tail_30"),
@@ -412,7 +431,8 @@ def _seed_groups() -> list[str]:
             "that mean, paired over the samples, ± its standard error stratified by task. The `_init` and `_order` "
             "rows move one part of the seed (`train.init_seed`: the adapter's initialisation; `train.seed` with "
             "init_seed 0: the batch order) and hold the other at seed 0's; `_tokens_0` starts every seed's lookahead tokens from the "
-            "embeddings seed 0 drew (`train.init_tokens`).", "",
+            "embeddings seed 0 drew (`train.init_tokens`); `_draws` lists five draws of those ids instead (seeds 0, 1, 3, 4 "
+            "and 5's), the LoRA init and batch order held at seed 0's.", "",
             "| recipe | r=0.5, seeds 0 / 1 / 2 | r=0.75, seeds 0 / 1 / 2 | mean r=0.5 | mean r=0.75 |",
             "|---|---:|---:|---:|---:|", *rows,
             *(["", "| recipes (seed means) | diff r=0.5 | diff r=0.75 |", "|---|---:|---:|", *pairs] if pairs else [])]
@@ -444,7 +464,8 @@ SEED_PARTS = ("tokens_8_codes_tail_30", "tokens_8_codes_seed_1_tail_30", "tokens
               "tokens_8_codes_order_1_tail_30", "tokens_8_codes_order_2_tail_30", "tokens_8_codes_init_1_tail_30",
               "tokens_8_codes_init_2_tail_30", "tokens_8_codes_init_1_tokens_0_tail_30",
               "tokens_8_codes_tokens_1_tail_30", "tokens_8_codes_tokens_0_seed_1_tail_30",
-              "tokens_8_codes_tokens_0_seed_2_tail_30")
+              "tokens_8_codes_tokens_0_seed_2_tail_30", "tokens_8_codes_tokens_3_tail_30",
+              "tokens_8_codes_tokens_4_tail_30", "tokens_8_codes_tokens_5_tail_30")
 
 
 def seed_parts(name: str) -> tuple[int, int, int]:
