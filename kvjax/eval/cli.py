@@ -58,7 +58,8 @@ RUN_IDENTITY = ("model", "context_length", "seed", "query_aware", "max_new_token
                 "prefill_chunk", "cache_layout")
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOOKAHEAD_PRESETS = frozenset(lookahead_presets())  # they run a LookaheadKV adapter (--lookahead)
-LOOKAHEAD_OPTIONS = ("kernel", "pool_offset", "bridge", "tail", "tail_weight", "pooling", "gqa_reduce", "protect_last")  # read at inference, not trained
+LOOKAHEAD_OPTIONS = ("kernel", "pool_offset", "bridge", "tail", "tail_weight", "pooling", "gqa_reduce", "protect_last",
+                     "window", "window_weight")  # read at inference, not trained
 KV_QUANT_PRESETS = tuple(_KV_QUANT)  # the names --kv-quant accepts, beside "none"
 
 EPILOG = """\
@@ -351,9 +352,9 @@ def _option_value(name: str, value: str) -> Any:
     if value == "none":
         return None
     try:
-        if name in ("kernel", "pool_offset", "bridge", "tail", "protect_last"):
+        if name in ("kernel", "pool_offset", "bridge", "tail", "protect_last", "window"):
             return int(value)
-        if name == "tail_weight":
+        if name in ("tail_weight", "window_weight"):
             return float(value)
     except ValueError:
         pass

@@ -45,6 +45,10 @@ class LookaheadConfig:
       there) outrank weakly scored slots without outranking other peaks' neighbourhoods, as a wide forward
       window (pool_offset) would. tail 0: off.
     protect_last: the last prompt tokens always kept (0: none).
+    window, window_weight: the prompt's own last `window` queries (SnapKV's observation window; in the
+      query-aware protocol, the question and the answer prefix) score the prompt too: per query head,
+      s̃ + window_weight x their mean attention, before the GQA reduction, bridging, pooling and tail; the
+      `window` last slots are always kept. 0: off (the lookahead tokens alone).
     """
 
     n_tokens: int = 32
@@ -60,6 +64,8 @@ class LookaheadConfig:
     tail: int = 0
     tail_weight: float = 0.5
     protect_last: int = 0
+    window: int = 0
+    window_weight: float = 1.0
 
     def __post_init__(self) -> None:
         _int("n_tokens", self.n_tokens, 1)
@@ -95,6 +101,16 @@ class LookaheadConfig:
             raise ValueError(f"LookaheadConfig.tail_weight must be a float in (0, 1], got {self.tail_weight!r}")
         object.__setattr__(self, "tail_weight", float(self.tail_weight))
         _int("protect_last", self.protect_last, 0)
+        _int("window", self.window, 0)
+        if isinstance(self.window_weight, bool) or not isinstance(self.window_weight, (int, float)) or \
+                not self.window_weight > 0:
+            raise ValueError(f"LookaheadConfig.window_weight must be a positive float, got {self.window_weight!r}")
+        object.__setattr__(self, "window_weight", float(self.window_weight))
+
+    @property
+    def protected(self) -> int:
+        """The last prompt slots always kept: protect_last, or the observation window when wider."""
+        return max(self.protect_last, self.window)
 
     @property
     def offsets(self) -> tuple[int, ...]:

@@ -4,7 +4,9 @@ The engine runs the adapter's n tokens after the prompt (LoRA on their rows, nev
 cache: the `LookaheadTokens` observation, with the adapter params as this policy's
 `observation_inputs`) and hands over their attention mass per query head, `Observations.query_mass`
 [L,B,Hq,C];
-this policy turns it into scores: s̃ = mass / n, reduced over the query group (mean or max), valleys
+this policy turns it into scores: s̃ = mass / n (plus window_weight x the mean attention of the prompt's own
+last `window` queries, when the adapter's config sets a window: SnapKV's observation, in the query-aware
+protocol the question), reduced over the query group (mean or max), valleys
 between attended slots bridged (or not), max-pooled along positions (or not), and each slot raised to
 tail_weight x the highest score of the `tail` slots before it (or not), exactly as configured in the
 adapter's `LookaheadConfig`.
@@ -14,7 +16,7 @@ CriticalKV wraps it (`critical_lookahead_kv`). With `Cake(preference="scorer")` 
 preference is measured on the lookahead tokens' attention: the pass also records the second moment and
 the entropy terms of the n tokens' probabilities (`query_sumsq`, `query_entropy`), and per (layer, row)
   H_l = -sum_{h,i,j} A[h,i,j] log(A[h,i,j] + 1e-10),  V_l = sum_{h,j} Var_i A[h,i,j] (unbiased, over n),
-over the query heads h, the n tokens i and the candidate prompt slots j (all but the `protect_last`
+over the query heads h, the n tokens i and the candidate prompt slots j (all but the protected
 last), then log P_l = log H_l / tau1 + log V_l / tau2 as in CAKE (policies.md §8).
 """
 
@@ -36,7 +38,8 @@ from kvjax.policies.allocators import Ada, Allocator, Cake, Global, cake_log_pre
 from kvjax.policies.base import Plan, Policy, Requirements, as_i32, window_protected
 from kvjax.policies.critical import CriticalKV
 from kvjax.policies.prefill import PrefillPolicy
-from kvjax.policies.scoring import Scored, bridge1d, group_reduce_fn, pool1d, trail1d
+from kvjax.policies.scoring import (Scored, attention_scale, bridge1d, group_reduce_fn, last_window, pool1d, trail1d,
+                                    window_moments)
 
 
 @functools.lru_cache(maxsize=8)
@@ -54,7 +57,7 @@ class LookaheadKV(PrefillPolicy):
       bundled adapter raises FileNotFoundError saying how to pass one.
     Query-aware by default (the paper); `query_aware=False` scores the context alone in the eval's
     context-then-question mode. Scoring options (gqa_reduce, bridge, pooling, kernel, pool_offset,
-    tail, tail_weight, protect_last) are
+    tail, tail_weight, protect_last, window, window_weight) are
     the adapter's `LookaheadConfig`.
     """
 
@@ -92,7 +95,7 @@ class LookaheadKV(PrefillPolicy):
         return self.lookahead_adapter().config
 
     def protected_count(self) -> int:
-        return self.config.protect_last
+        return self.config.protected
 
     @property
     def decode_time(self) -> bool:
@@ -107,7 +110,7 @@ class LookaheadKV(PrefillPolicy):
     def scorer_requirements(self) -> Requirements:
         a = self.lookahead_adapter()
         tokens = LookaheadTokens(a.config, a.model_info, moments=self.cake_preference() is not None, members=a.members)
-        return Requirements(observe=ObservationSpec(tokens))
+        return Requirements(observe=ObservationSpec(tokens, window=a.config.window))
 
     def observation_inputs(self) -> dict[str, Any]:
         """The adapter params the lookahead pass runs with."""
@@ -121,9 +124,14 @@ class LookaheadKV(PrefillPolicy):
         L, B, Hq, C = obs.query_mass.shape
         Hkv = cache.k.shape[2]
         s = (obs.query_mass / conf.n_tokens).reshape(L, B, Hkv, Hq // Hkv, C)
+        if conf.window:  # the prompt's own last queries too: their mean attention per query head
+            q, qpos = last_window(obs, conf.window)
+            scale = attention_scale(obs, cache.k.shape[-1], True)
+            win = window_moments(q, qpos, cache, scale=scale, group_reduce=None, moments=("sum",))["sum"]
+            s = s + (conf.window_weight / conf.window) * win
         s = group_reduce_fn(s, conf.gqa_reduce, axis=3)
         lengths = as_i32(plan.lengths)
-        w = conf.protect_last
+        w = conf.protected
         cand = cache.valid & (cache.pos < (lengths - w)[None, :, None, None])
         raw = s
         s = bridge1d(s, cand, conf.bridge)
@@ -146,7 +154,7 @@ class LookaheadKV(PrefillPolicy):
 class AdaLookaheadKV(LookaheadKV):
     """LookaheadKV scores with Ada-KV's head-wise allocation (alpha = 0.2, as ada_snapkv): each layer's
     Hkv * C entries go to the global top lookahead scores across its KV heads, cap_h = round(count_h * 0.8
-    + int(0.2 C)) per head (policies.md §7, rule "paper"; C the budget minus `protect_last`). The scores
+    + int(0.2 C)) per head (policies.md §7, rule "paper"; C the budget minus the protected slots). The scores
     are means over the n tokens, so heads compare as Ada-SnapKV's window means do."""
 
     name = "ada_lookahead_kv"

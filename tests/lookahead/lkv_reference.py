@@ -93,6 +93,14 @@ def response(P, cfg, prompt, resp):
     return probs[:, :, T:, :T].mean(axis=2)
 
 
+def window(P, cfg, prompt, w):
+    """[L,Hq,T] of one row: the prompt's own last w queries' attention on it (causal, over the prompt alone),
+    mean over the w queries (SnapKV's observation window)."""
+    T = len(prompt)
+    _, probs, _, _ = forward(P, cfg, P["embed"][np.asarray(prompt)])
+    return probs[:, :, T - w:, :].mean(axis=2)
+
+
 def pool_max(x, region_len, kernel, offset=0):
     """Max pooling along the last axis over positions < region_len (-inf padding), 0 elsewhere; position j
     takes the max over j - kernel//2 - offset .. j + kernel//2 - offset."""
@@ -115,12 +123,15 @@ def bridge(x, region_len, reach):
     return out
 
 
-def scores(s_tilde, cfg, config, T):
-    """The policy's per-(layer, KV head) scores [L,Hkv,T] from s̃ [L,Hq,T]: GQA reduce, bridging, pooling, tail."""
+def scores(s_tilde, cfg, config, T, win=None):
+    """The policy's per-(layer, KV head) scores [L,Hkv,T] from s̃ [L,Hq,T] (plus window_weight x `win` [L,Hq,T],
+    the window's attention, when config.window): GQA reduce, bridging, pooling, tail."""
     L, Hq, _ = s_tilde.shape
+    if config.window:
+        s_tilde = s_tilde + config.window_weight * win
     g = s_tilde.reshape(L, cfg.num_kv_heads, Hq // cfg.num_kv_heads, T)
     red = g.mean(2) if config.gqa_reduce == "mean" else g.max(2)
-    region = T - config.protect_last
+    region = T - max(config.protect_last, config.window)
     raw = red
     if config.bridge:
         red = bridge(red, region, config.bridge)

@@ -32,11 +32,20 @@ def _engine_scores(model, policy, toks, pos, budget):
     return np.asarray(policy.score(plan, cache, obs).scores), cache, obs, plan
 
 
+def _want(P, A, cfg, row, config, t):
+    """The reference scores of one row: the lookahead tokens' s̃ (and the window's attention) through §11.3."""
+    win = ref.window(P, cfg, row, config.window) if config.window else None
+    return ref.scores(ref.predicted(P, cfg, row, A, config), cfg, config, t, win)
+
+
 @pytest.mark.parametrize("changes", [{}, {"gqa_reduce": "max", "pooling": None}, {"protect_last": 3, "kernel": 5},
                                      {"kernel": 7, "pool_offset": 3}, {"protect_last": 2, "kernel": 5, "pool_offset": 1},
                                      {"bridge": 4}, {"bridge": 3, "pooling": None, "protect_last": 2},
                                      {"tail": 6, "tail_weight": 0.5}, {"tail": 3, "tail_weight": 1.0, "protect_last": 2,
-                                                                      "kernel": 3}])
+                                                                      "kernel": 3},
+                                     {"window": 4, "window_weight": 0.7, "tail": 3},
+                                     {"window": 3, "protect_last": 5, "gqa_reduce": "max", "kernel": 5},
+                                     {"window": 6, "window_weight": 2.0, "pooling": None, "bridge": 2}])
 def test_scores_match_numpy_reference(tiny, adapter, changes):
     ad = adapter.replace(config=dataclasses.replace(adapter.config, **changes))
     policy = LookaheadKV(adapter=ad)
@@ -44,16 +53,16 @@ def test_scores_match_numpy_reference(tiny, adapter, changes):
     got, cache, _, plan = _engine_scores(tiny, policy, jnp.asarray(toks), jnp.asarray(pos), budget=8)
     P, A = ref.to_numpy(tiny.params), ref.to_numpy(ad.params)
     for b, t in enumerate(LENGTHS):
-        want = ref.scores(ref.predicted(P, tiny.config, rows[b], A, ad.config), tiny.config, ad.config, t)
-        region = t - ad.config.protect_last
+        want = _want(P, A, tiny.config, rows[b], ad.config, t)
+        region = t - ad.config.protected
         np.testing.assert_allclose(got[:, b, :, :region], want[:, :, :region], atol=2e-6, rtol=1e-4)
         assert (got[:, b, :, region:] == 0).all()
     # the kept sets: protected tail first, then the reference's top scores (ties at the boundary aside)
     keep, _ = policy.prefill_keep(plan, cache, _engine_scores(tiny, policy, jnp.asarray(toks), jnp.asarray(pos), 8)[2])
     keep = np.asarray(keep)
-    w = ad.config.protect_last
+    w = ad.config.protected
     for b, t in enumerate(LENGTHS):
-        want = ref.scores(ref.predicted(P, tiny.config, rows[b], A, ad.config), tiny.config, ad.config, t)
+        want = _want(P, A, tiny.config, rows[b], ad.config, t)
         for l in range(tiny.config.num_layers):
             for h in range(tiny.config.num_kv_heads):
                 kept = set(np.flatnonzero(keep[l, b, h]))
