@@ -110,19 +110,22 @@ def test_lookahead_options_change_the_adapters_inference_fields_only(tok, tmp_pa
 
     argv = ["--tasks", "vt", "--num-samples", "1", "--compression-ratios", "0.5", "--out", str(tmp_path),
             "--no-progress", "--policies", "lookahead_kv"]
-    assert main(argv + ["--lookahead-option", "kernel=15", "--lookahead-option", "gqa_reduce=max"],
+    assert main(argv + ["--lookahead-option", "kernel=15", "--lookahead-option", "gqa_reduce=max",
+                        "--lookahead-option", "window=16", "--lookahead-option", "window_weight=0.5"],
                 generate_fn=fake, tokenizer=tok) == 0
     bundled = load("bundled")
     (adapter,) = seen
     assert (adapter.config.kernel, adapter.config.gqa_reduce) == (15, "max") and bundled.config.kernel == 7
+    assert (adapter.config.window, adapter.config.window_weight) == (16, 0.5) and bundled.config.window == 0
     assert adapter.config.n_tokens == bundled.config.n_tokens
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(adapter.params), jax.tree.leaves(bundled.params)))
-    assert json.loads((tmp_path / "run_config.json").read_text())["lookahead_options"] == {"kernel": 15,
-                                                                                         "gqa_reduce": "max"}
+    assert json.loads((tmp_path / "run_config.json").read_text())["lookahead_options"] == {
+        "kernel": 15, "gqa_reduce": "max", "window": 16, "window_weight": 0.5}
     with pytest.raises(SystemExit):  # another kernel into the same folder: other results under the same name
         main(argv + ["--lookahead-option", "kernel=7"], generate_fn=fake, tokenizer=tok)
     assert "lookahead_options" in capsys.readouterr().err
-    for bad, says in (("n_tokens=8", "NAME one of"), ("kernel=8", "must be odd"), ("kernel", "NAME=VALUE")):
+    for bad, says in (("n_tokens=8", "NAME one of"), ("kernel=8", "must be odd"), ("kernel", "NAME=VALUE"),
+                      ("window_weight=0", "window_weight must be a positive float"), ("window=-1", "window must be")):
         with pytest.raises(SystemExit):
             main(argv + ["--lookahead-option", bad], generate_fn=fake, tokenizer=tok)
         assert says in capsys.readouterr().err

@@ -42,6 +42,8 @@ def test_config_defaults_and_from_dict():
     ("rank", 0, "rank must be an int >= 1"),
     ("alpha", -1.0, "alpha must be a positive float"),
     ("protect_last", -2, "protect_last must be an int >= 0"),
+    ("window", -1, "window must be an int >= 0"),
+    ("window_weight", 0.0, "window_weight must be a positive float"),
     ("span", 16, "span must be an int >= 32"),
 ])
 def test_config_bad_values_name_the_field(field, value, match):

@@ -167,6 +167,9 @@ def test_errors(tiny, adapter, tmp_path):
                        max_new_tokens=2)
     with pytest.raises(TypeError, match="adapter must be a kvjax.lookahead.Adapter"):
         LookaheadKV(adapter=42)
+    windowed = LookaheadKV(adapter=adapter.replace(config=dataclasses.replace(adapter.config, window=10)))
+    with pytest.raises(ValueError, match="budget"):  # the observation window is kept whole: 10 > 8
+        kvjax.generate(tiny, ids, policy=windowed, budget=8, max_new_tokens=2)
 
 
 def test_bundled_or_folder_adapter(tiny, adapter, tmp_path, monkeypatch):
