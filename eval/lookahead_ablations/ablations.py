@@ -223,6 +223,12 @@ for _seed in (1, 2):
                                     {**_over, "lookahead": {**CODES_8["lookahead"], **TAIL_30}}, _name)
 
 
+# the three seeds of seed 0's token ids as one scorer (the mean of their lookahead attention, 3 x 8 rows)
+VARIANTS["tokens_8_codes_tokens_0_ens_3_tail_30"] = (
+    "seed 0's token ids at seeds 0, 1 and 2 as one ensemble, scored as tokens_8_codes_tail_30",
+    {**CODES_8, "lookahead": {**CODES_8["lookahead"], **TAIL_30}},
+    ("tokens_8_codes", "tokens_8_codes_tokens_0_seed_1", "tokens_8_codes_tokens_0_seed_2"))
+
 # choosing the draw without RULER: more token draws (seeds 3-5's ids; LoRA init and batch order seed 0's), each
 # probed on held-out prose (`seed_selection.py --part fidelity`) before RULER scores it
 for _seed in (3, 4, 5):
