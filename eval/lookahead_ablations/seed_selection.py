@@ -151,8 +151,8 @@ def main() -> None:
             elif args.part == "fidelity":
                 kept = -fidelity(model, contexts, rests, full, policy=policy, compression_ratio=r)
             for i in range(0, len(contexts), 4) if args.part in ("record", "code") else ():
-                cache = kvjax.engine.compress(model, contexts[i:i + 4], policy=policy, compression_ratio=r)
-                kept += [kept_share(cache, b, sp) for b, ss in enumerate(spans[i:i + 4]) for sp in ss]
+                kv = kvjax.engine.compress(model, contexts[i:i + 4], policy=policy, compression_ratio=r)
+                kept += [kept_share(kv, b, sp) for b, ss in enumerate(spans[i:i + 4]) for sp in ss]
             rows[name] = (float(np.mean(kept)), ruler.get("r=0.5", np.nan), ruler.get("r=0.75", np.nan))
             print(f"| {name} | {rows[name][0]:.4f} | {rows[name][1]:.1f} | {rows[name][2]:.1f} |", flush=True)
             if args.cache:
