@@ -65,18 +65,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per cell (median reported)")
+    parser.add_argument("--lookahead-option", action="append", default=[], metavar="NAME=VALUE",
+                        help="a LookaheadConfig field of the bench's fresh adapter (n_tokens=8, window=32, ...; "
+                             "repeatable)")
+    parser.add_argument("--lookahead-members", type=int, default=1,
+                        help="the adapter as an ensemble of this many members (kvjax.lookahead.stack)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="also write the markdown report here")
+
+
+def lookahead_config(items: list[str]) -> lookahead.LookaheadConfig:
+    """The bench adapter's config from NAME=VALUE items (ints, floats, "none" as written)."""
+    fields = {f.name: f for f in dataclasses.fields(lookahead.LookaheadConfig)}
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or name not in fields:
+            raise SystemExit(f"--lookahead-option {item!r}: expected NAME=VALUE with NAME one of {sorted(fields)}")
+        default = fields[name].default
+        out[name] = None if value == "none" else type(default)(value) if isinstance(default, (int, float)) and \
+            not isinstance(default, bool) else value
+    try:
+        return lookahead.LookaheadConfig(**out)
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"--lookahead-option: {err}") from None
 
 
 def run(args: argparse.Namespace) -> int:
 
     cfg = bench_config(args)
     params = jax.tree.map(lambda x: x.astype(cfg.jnp_dtype), init_params(cfg, jax.random.PRNGKey(0)))
+    la_config = lookahead_config(args.lookahead_option)
+    if args.lookahead_members < 1:
+        raise SystemExit(f"--lookahead-members must be >= 1, got {args.lookahead_members}")
     names = [n for n in args.policies.split(",") if n]
     unknown = sorted(set(names) - set(policies.available()))
     if unknown:
         raise SystemExit(f"unknown policies {unknown}; available: {', '.join(policies.available())}")
     rows = []
+    ran_lookahead = False
     for T in args.lengths:
         tokens = jnp.asarray(np.random.RandomState(T).randint(3, cfg.vocab_size, (1, T)), jnp.int32)
         positions = jnp.arange(T, dtype=jnp.int32)[None]
@@ -91,8 +117,11 @@ def run(args: argparse.Namespace) -> int:
             policy = policies.get(name)
             adapter = None
             if policy.requirements().observe.lookahead:  # its own modules, sized for the bench model
-                adapter = lookahead.init_adapter(Model(config=cfg, params=params))
-                policy = dataclasses.replace(policy, adapter=adapter)
+                model = Model(config=cfg, params=params)
+                members = [lookahead.init_adapter(model, la_config, jax.random.PRNGKey(m))
+                           for m in range(args.lookahead_members)]
+                policy = dataclasses.replace(policy, adapter=lookahead.stack(members))
+                ran_lookahead = True
             try:
                 plan = make_plan(policy, np.array([T]), cfg, budget=None, compression_ratio=args.compression_ratio,
                                  bucket=T, room=0, question_tokens=0)
@@ -122,7 +151,12 @@ def run(args: argparse.Namespace) -> int:
         f"- compression_ratio {args.compression_ratio}; median of {args.repeats} runs after a compile run, "
         "the two prefills run alternately",
         "- full = jitted prefill without a policy; +eviction = the same prefill plus observations, scoring, "
-        "selection and compaction (kvzip*: its repeat-the-context passes included; lookahead_kv: its lookahead pass)", "", table, ""])
+        "selection and compaction (kvzip*: its repeat-the-context passes included; lookahead_kv: its lookahead pass)",
+        *([f"- LookaheadKV adapter: {la_config.n_tokens} tokens"
+           + (f" x {args.lookahead_members} members" if args.lookahead_members > 1 else "")
+           + (f", options {' '.join(args.lookahead_option)}" if args.lookahead_option else "")]
+          if ran_lookahead else []),
+        "", table, ""])
     print(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
