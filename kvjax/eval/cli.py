@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "built-in prose)")
     a("--fidelity-tokens", type=int, help="continuation tokens scored by the fidelity task (default: 32)")
     a("--lookahead", metavar="PATH", help="LookaheadKV adapter folder for lookahead_kv and its compositions "
-                                          "(ada_, layer_, cake_, critical_lookahead_kv; default: the bundled "
-                                          "model's, kvjax/assets/lookahead; without one, 'all' leaves them out)")
+                                          "(ada_, layer_, cake_, critical_, critical_ada_lookahead_kv; default: "
+                                          "the bundled model's, kvjax/assets/lookahead; without one, 'all' leaves "
+                                          "them out)")
     a("--lookahead-option", action="append", metavar="NAME=VALUE",
       help="override an inference-time field of the adapter's config, repeatable: "
            f"{', '.join(LOOKAHEAD_OPTIONS)} (e.g. kernel=15: max pooling over 15 positions; pooling=none)")

@@ -12,7 +12,8 @@ tail_weight x the highest score of the `tail` slots before it (or not), exactly 
 adapter's `LookaheadConfig`.
 
 Any allocator composes (the `ada_lookahead_kv`, `layer_lookahead_kv`, `cake_lookahead_kv` presets), and
-CriticalKV wraps it (`critical_lookahead_kv`). With `Cake(preference="scorer")` CAKE's layer
+CriticalKV wraps it (`critical_lookahead_kv`; over Ada-KV's head budgets, CriticalAdaKV's reading,
+`critical_ada_lookahead_kv`). With `Cake(preference="scorer")` CAKE's layer
 preference is measured on the lookahead tokens' attention: the pass also records the second moment and
 the entropy terms of the n tokens' probabilities (`query_sumsq`, `query_entropy`), and per (layer, row)
   H_l = -sum_{h,i,j} A[h,i,j] log(A[h,i,j] + 1e-10),  V_l = sum_{h,j} Var_i A[h,i,j] (unbiased, over n),
@@ -196,8 +197,10 @@ class CakeLookaheadKV(LookaheadKV):
 class CriticalLookaheadKV(CriticalKV):
     """CriticalKV's value-aware two-stage selection over LookaheadKV scores: per head of n kept entries,
     the top int(n / 2) by the lookahead score s, then the rest by (s + 1e-4) * ||v_j W_o||_1 (group mean of
-    the projected value's L1 norm, the `output_norms` observation). `adapter` (None: the scorer's own, the
-    bundled one by default) is handed to the LookaheadKV scorer."""
+    the projected value's L1 norm, the `output_norms` observation). n is the scorer's allocation: uniform for
+    `LookaheadKV()` (`critical_lookahead_kv`), Ada-KV's head budgets for `scorer=AdaLookaheadKV()`
+    (`critical_ada_lookahead_kv`, CriticalAdaKV). `adapter` (None: the scorer's own, the bundled one by
+    default) is handed to the LookaheadKV scorer."""
 
     name = "critical_lookahead_kv"
 

@@ -87,6 +87,7 @@ _PRESETS: dict[str, Policy] = {
     "layer_lookahead_kv": LayerLookaheadKV(),
     "cake_lookahead_kv": CakeLookaheadKV(),
     "critical_lookahead_kv": CriticalLookaheadKV(),
+    "critical_ada_lookahead_kv": CriticalLookaheadKV(scorer=AdaLookaheadKV()),
     "random": Random(),
 }
 

@@ -36,7 +36,7 @@ PRESETS = {
     "critical_adakv_snapkv_kvpress", "critical_snapkv", "critical_snapkv_kvpress", "defensivekv", "expected_attention",
     "expected_attention_kvpress", "kvzip", "kvzip_kvpress", "layer_defensivekv",
     # issue 27: LookaheadKV's scores under other budgets and CriticalKV's weighting
-    "ada_lookahead_kv", "cake_lookahead_kv", "critical_lookahead_kv", "layer_lookahead_kv",
+    "ada_lookahead_kv", "cake_lookahead_kv", "critical_lookahead_kv", "critical_ada_lookahead_kv", "layer_lookahead_kv",
 }
 
 
