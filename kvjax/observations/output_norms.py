@@ -1,7 +1,11 @@
 """Output norms (CriticalKV, DefensiveKV): per key of a prefill, ||v_j W_o^h||_1, the L1 norm of its
 value projected by its query head's rows of the output projection, averaged over the query group.
 
-Field: output_norms [L,B,Hkv,C] float32 (0 on padding and past the prompt); prefills only.
+`ObservationSpec(output_norms_l2=True)` records the L2 norm, from the D x D Gram matrix of W_o^h:
+||v W_o^h||_2 = sqrt(v (W_o^h W_o^h^T) v^T), D^2 multiply-adds per key and query head against the L1 norm's
+D x E (E the model width; for SmolLM2-135M 64 x 64 against 64 x 576, a ninth).
+
+Fields: output_norms, output_norms_l2 [L,B,Hkv,C] float32 (0 on padding and past the prompt); prefills only.
 """
 
 from __future__ import annotations
@@ -18,14 +22,25 @@ from kvjax.observations.column_mass import pad_slots
 BLOCK = 128  # keys per block ([B,Hq,block,E] at once)
 
 
-def output_norms(v: jax.Array, wo: jax.Array, real: jax.Array) -> jax.Array:
-    """The group mean of ||v_j W_o^h||_1 per key, float32 [B,Hkv,n]. v [B,Hkv,n,D]; wo [Hq*D,E] (rows of
-    query head h at h*D:(h+1)*D); real [B,n] bool (padding keys get 0). Keys go through in blocks, so
-    [B,Hq,block,E] is the largest intermediate."""
+ORDS = (1, 2)
+
+
+def output_norms(v: jax.Array, wo: jax.Array, real: jax.Array, ord: int = 1) -> jax.Array:
+    """The group mean of ||v_j W_o^h||_ord per key, float32 [B,Hkv,n]. v [B,Hkv,n,D]; wo [Hq*D,E] (rows of
+    query head h at h*D:(h+1)*D); real [B,n] bool (padding keys get 0). ord 1: keys go through in blocks,
+    so [B,Hq,block,E] is the largest intermediate; ord 2: through the Gram matrices [Hkv,G,D,D]."""
     B, Hkv, n, D = v.shape
     E = wo.shape[-1]
     G = wo.shape[0] // (Hkv * D)
     w = wo.reshape(Hkv, G, D, E)
+    if ord == 2:
+        w32 = w.astype(jnp.float32)
+        gram = jnp.einsum("hgde,hgfe->hgdf", w32, w32)
+        v32 = v.astype(jnp.float32)
+        sq = jnp.einsum("bhnd,hgdf,bhnf->bhgn", v32, gram, v32)
+        return jnp.where(real[:, None, :], jnp.sqrt(jnp.maximum(sq, 0.0)).mean(2), 0.0)
+    if ord != 1:
+        raise ValueError(f"output_norms: ord must be one of {ORDS}, got {ord!r}")
     block = min(n, BLOCK)
     nb = -(-n // block)
     vp = jnp.pad(v, ((0, 0), (0, 0), (0, nb * block - n), (0, 0))).reshape(B, Hkv, nb, block, D)
@@ -43,8 +58,20 @@ def output_norms(v: jax.Array, wo: jax.Array, real: jax.Array) -> jax.Array:
 class OutputNorms(Observation):
     keyword = "output_norms"
     fields = ("output_norms",)
+    ord = 1
 
     def record(self, view: LayerView, attn: Any) -> dict[str, jax.Array]:
         if not view.call.fresh:
             return {}
-        return {"output_norms": pad_slots(output_norms(view.v, view.wo, view.call.positions >= 0), view.call)}
+        norms = output_norms(view.v, view.wo, view.call.positions >= 0, self.ord)
+        return {self.fields[0]: pad_slots(norms, view.call)}
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputNormsL2(OutputNorms):
+    """The L2 norms (CriticalKV(value_norm=2)), through the Gram matrices: a ninth of the L1 norms' cost on
+    SmolLM2's shape."""
+
+    keyword = "output_norms_l2"
+    fields = ("output_norms_l2",)
+    ord = 2

@@ -28,10 +28,11 @@ from kvjax.policies.scoring import Scored
 from kvjax.policies.snapkv import SnapKV
 
 
-def require_output_norms(obs: Observations, who: str) -> jax.Array:
-    if obs.output_norms is None:
-        raise ValueError(f"{who} needs the `output_norms` observation (ObservationSpec(output_norms=True))")
-    return obs.output_norms.astype(jnp.float32)
+def require_output_norms(obs: Observations, who: str, ord: int = 1) -> jax.Array:
+    field = "output_norms" if ord == 1 else "output_norms_l2"
+    if getattr(obs, field) is None:
+        raise ValueError(f"{who} needs the `{field}` observation (ObservationSpec({field}=True))")
+    return getattr(obs, field).astype(jnp.float32)
 
 
 def two_stage_keep(
@@ -54,7 +55,8 @@ class CriticalKV(PrefillPolicy):
 
     Stage 1 keeps int(n * first_stage_ratio) entries (kvpress: int((1-r) T first_stage_ratio);
     identical for the default 0.5); protected slots always count in stage 1, as kvpress's max+1
-    scores make them. The wrapper's `rule` and `kvpress_compat` are set on the scorer (pass
+    scores make them. value_norm: 1, the paper's ||v_j W_o||_1; 2, the L2 norm ||v_j W_o||_2, which the
+    prefill gets from W_o's D x D Gram matrices at D / E of the L1 norm's cost (E the model width). The wrapper's `rule` and `kvpress_compat` are set on the scorer (pass
     rule="kvpress" for a kvpress scorer); `allocator` of the wrapper is unused (the scorer's applies).
     """
 
@@ -64,6 +66,7 @@ class CriticalKV(PrefillPolicy):
     scorer: PrefillPolicy = SnapKV()
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
+    value_norm: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.scorer, PrefillPolicy) or isinstance(self.scorer, CriticalKV):
@@ -78,6 +81,8 @@ class CriticalKV(PrefillPolicy):
             object.__setattr__(self, "scorer", scorer)
         check_float("epsilon", self.epsilon, 0.0, float("inf"), hi_open=True)
         check_float("first_stage_ratio", self.first_stage_ratio, 0.0, 1.0)
+        if isinstance(self.value_norm, bool) or self.value_norm not in (1, 2):
+            raise ValueError(f"value_norm must be 1 (||v W_o||_1) or 2 (||v W_o||_2), got {self.value_norm!r}")
 
     def budget_allocator(self) -> Allocator:
         return self.scorer.budget_allocator()
@@ -86,7 +91,8 @@ class CriticalKV(PrefillPolicy):
         return self.scorer.protected_count()
 
     def requirements(self) -> Requirements:
-        return self.scorer.requirements().merge(Requirements(observe=ObservationSpec(output_norms=True)))
+        norms = ObservationSpec(output_norms=True) if self.value_norm == 1 else ObservationSpec(output_norms_l2=True)
+        return self.scorer.requirements().merge(Requirements(observe=norms))
 
     def observation_inputs(self) -> Any:
         """The scorer's (e.g. LookaheadKV's adapter params, for its tokens' pass)."""
@@ -104,7 +110,7 @@ class CriticalKV(PrefillPolicy):
     def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, None]:
         scored = self.score(plan, cache, obs)
         counts = self.head_counts(plan, scored, cache, obs)
-        norms = require_output_norms(obs, "CriticalKV")
+        norms = require_output_norms(obs, "CriticalKV", self.value_norm)
         keep = two_stage_keep(scored, counts, norms, cache, epsilon=self.epsilon,
                               first_stage_ratio=self.first_stage_ratio)
         return keep, None

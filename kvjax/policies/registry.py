@@ -88,6 +88,9 @@ _PRESETS: dict[str, Policy] = {
     "cake_lookahead_kv": CakeLookaheadKV(),
     "critical_lookahead_kv": CriticalLookaheadKV(),
     "critical_ada_lookahead_kv": CriticalLookaheadKV(scorer=AdaLookaheadKV()),
+    # the value norm in L2 from W_o's Gram matrices: CriticalKV's reweighting at a ninth of the L1 norm's cost
+    "critical_lookahead_kv_l2": CriticalLookaheadKV(value_norm=2),
+    "critical_ada_lookahead_kv_l2": CriticalLookaheadKV(scorer=AdaLookaheadKV(), value_norm=2),
     "random": Random(),
 }
 
