@@ -531,8 +531,9 @@ def _ood_12() -> list[str]:
             "The best rows again over 12 samples a task (132 paired a setting; `ood_12/NAME`, the 4-sample rows "
             "extended with `kvjax.eval --num-samples 12` into the same folder), against KVzip's rows of the "
             "recorded 12-sample agnostic table (`eval/smollm2_ruler_2k/table_agnostic_12`) on the same samples; "
-            "diff = the LookaheadKV preset (lookahead_kv; ada_lookahead_kv in the ada_ rows) - KVzip ± its standard "
-            "error stratified by task; \"diff, 4-11\": the same over each "
+            "diff = the LookaheadKV preset (lookahead_kv; in a prefixed row the composition its prefix names: "
+            "ada_lookahead_kv, critical_lookahead_kv, critical_ada_lookahead_kv, their `_l2` norm, cake_lookahead_kv)"
+            " - KVzip ± its standard error stratified by task; \"diff, 4-11\": the same over each "
             "task's samples 4-11 alone (88 a setting), those the scoring options were not chosen on (the 4-sample "
             "table above is samples 0-3).", "",
             "| adapter, scoring | r=0.5 (samples) | KVzip | diff | diff, 4-11 | r=0.75 (samples) | KVzip | diff "

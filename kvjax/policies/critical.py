@@ -56,8 +56,9 @@ class CriticalKV(PrefillPolicy):
     Stage 1 keeps int(n * first_stage_ratio) entries (kvpress: int((1-r) T first_stage_ratio);
     identical for the default 0.5); protected slots always count in stage 1, as kvpress's max+1
     scores make them. value_norm: 1, the paper's ||v_j W_o||_1; 2, the L2 norm ||v_j W_o||_2, which the
-    prefill gets from W_o's D x D Gram matrices at D / E of the L1 norm's cost (E the model width). The wrapper's `rule` and `kvpress_compat` are set on the scorer (pass
-    rule="kvpress" for a kvpress scorer); `allocator` of the wrapper is unused (the scorer's applies).
+    prefill gets from W_o's D x D Gram matrices at D / E of the L1 norm's cost (E the model width).
+    The wrapper's `rule` and `kvpress_compat` are set on the scorer (pass rule="kvpress" for a kvpress
+    scorer); `allocator` of the wrapper is unused (the scorer's applies).
     """
 
     name = "critical_snapkv"  # the preset equal to the class defaults (scorer=SnapKV())
