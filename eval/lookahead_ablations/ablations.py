@@ -508,13 +508,19 @@ def _seed_parts() -> list[str]:
 def _ood_12() -> list[str]:
     """The 12-sample rounds (ood_12/NAME: 132 paired samples a setting, the goal's size) against KVzip and the
     full cache of the recorded 12-sample agnostic table, on the same samples."""
-    rows = []
-    for d in sorted((HERE / "ood_12").glob("*/results.jsonl")):
+    def scores(path: pathlib.Path) -> dict[tuple[str, str], dict[str, float]]:
         got: dict[tuple[str, str], dict[str, float]] = {}
-        for line in d.read_text().splitlines():
+        for line in path.read_text().splitlines():
             r = json.loads(line)
             if r.get("score") is not None:
                 got.setdefault((r["policy"], r["setting"]), {})[r["sample_id"]] = r["score"]
+        return got
+
+    table_12 = ROOT / "eval" / "smollm2_ruler_2k" / "table_agnostic_12" / "results.jsonl"
+    kvzip = {k: v for k, v in scores(table_12).items() if k[0] == "kvzip"} if table_12.exists() else {}
+    rows = []
+    for d in sorted((HERE / "ood_12").glob("*/results.jsonl")):
+        got = {**kvzip, **scores(d)}  # a folder's own KVzip rows, else the recorded table's
         cells = []
         for setting in ("r=0.5", "r=0.75"):
             preset = next((p for p, _ in got if "lookahead" in p), "lookahead_kv")  # ada_ folders: ada_lookahead_kv

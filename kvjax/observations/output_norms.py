@@ -37,7 +37,8 @@ def output_norms(v: jax.Array, wo: jax.Array, real: jax.Array, ord: int = 1) -> 
         w32 = w.astype(jnp.float32)
         gram = jnp.einsum("hgde,hgfe->hgdf", w32, w32)
         v32 = v.astype(jnp.float32)
-        sq = jnp.einsum("bhnd,hgdf,bhnf->bhgn", v32, gram, v32)
+        vg = jnp.einsum("bhnd,hgdf->bhgnf", v32, gram)  # two steps: a 3-operand einsum may not pair them so
+        sq = jnp.sum(vg * v32[:, :, None], axis=-1)
         return jnp.where(real[:, None, :], jnp.sqrt(jnp.maximum(sq, 0.0)).mean(2), 0.0)
     if ord != 1:
         raise ValueError(f"output_norms: ord must be one of {ORDS}, got {ord!r}")
