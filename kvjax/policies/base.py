@@ -455,20 +455,40 @@ def check_protected(name: str, budgets: Sequence[int], lengths: Sequence[int], p
 # ----------------------------------------------------------------------------- selection
 
 
+def _ordered_int(x: jax.Array) -> jax.Array:
+    """float32 -> int32 with the same total order (IEEE's: -NaN < -inf < ... < -0 < +0 < ... < inf < NaN)."""
+    i = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+    return i ^ ((i >> 31) & jnp.int32(0x7FFFFFFF))
+
+
 def _order_keys(
     scores: jax.Array, valid: jax.Array, pos: jax.Array, protected: jax.Array | None, tiebreak: jax.Array | None
 ) -> list[jax.Array]:
+    """Sort keys of `rank`'s order. The first packs the group (protected, scored, invalid) with the score:
+    int32 min for protected slots, max for invalid ones, the score's order in between (clipped off the two
+    ends, which only the NaNs of the largest payloads reach)."""
     prot = valid & protected if protected is not None else jnp.zeros_like(valid)
     normal = valid & ~prot
-    group = jnp.where(valid, jnp.where(prot, 0, 1), 2).astype(jnp.int32)
     s = scores.astype(jnp.float32)
     s = jnp.where(s == 0, jnp.float32(0), s)  # -0.0 ties with +0.0
-    keys = [group, jnp.where(normal, -s, jnp.float32(0))]
+    lo, hi = jnp.iinfo(jnp.int32).min, jnp.iinfo(jnp.int32).max
+    first = jnp.where(normal, jnp.clip(_ordered_int(-s), lo + 1, hi - 1), jnp.where(prot, lo, hi))
+    keys = [first]
     if tiebreak is not None:
         keys.append(jnp.where(normal, -tiebreak, jnp.zeros_like(tiebreak)))
     pos = pos.astype(jnp.int32)
     keys.append(jnp.where(prot, -pos, pos))
     return keys
+
+
+def _inverse_permutation(perm: jax.Array) -> jax.Array:
+    """r with r[..., perm[..., i]] = i along the last axis. A scatter (on CPU 50x cheaper than the sort
+    that inverts it), except on TPUs, where scatters serialise and the sort stays."""
+    iota = jax.lax.broadcasted_iota(jnp.int32, perm.shape, perm.ndim - 1)
+    if jax.default_backend() == "tpu":
+        return jax.lax.sort((perm, iota), dimension=-1, is_stable=True, num_keys=1)[1]
+    lead = tuple(jax.lax.broadcasted_iota(jnp.int32, perm.shape, d) for d in range(perm.ndim - 1))
+    return jnp.zeros_like(perm).at[(*lead, perm)].set(iota, unique_indices=True)
 
 
 def rank(
@@ -483,12 +503,12 @@ def rank(
 
     Order: valid protected slots (most recent first), then valid slots by score descending,
     then `tiebreak` descending, then lower position first; invalid slots last. One stable sort
-    plus one sort to invert the permutation (ties beyond these keys go to the lower slot index).
+    and the inverse of its permutation (ties beyond these keys go to the lower slot index).
     """
     keys = _order_keys(scores, valid, pos, protected, tiebreak)
     iota = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
     perm = jax.lax.sort((*keys, iota), dimension=-1, is_stable=True, num_keys=len(keys))[-1]
-    return jax.lax.sort((perm, iota), dimension=-1, is_stable=True, num_keys=1)[1]
+    return _inverse_permutation(perm)
 
 
 def select(
