@@ -34,20 +34,21 @@ from kvjax.observations import CallView, LayerView, Observations, ObservationSpe
 
 @struct.dataclass
 class LayerCarry:
-    """What flows from one layer to the next: h [B,n,E], the residual stream, and the cache (None
-    without one: training)."""
+    """What flows from one layer to the next: h [B,n,E], the residual stream, the cache (None
+    without one: training), and the riders' residual stream [B,m,E] (None without riders)."""
 
     h: jax.Array
     cache: Any
+    riders: jax.Array | None = None
 
 
 @struct.dataclass
 class Riders:
     """Tokens that ride along a prefill (LookaheadKV's lookahead tokens, run in the prompt's own forward
-    instead of a second pass over the model): they go through every layer after the call's tokens, attend
-    to its real tokens and to each other (causally, by position), are never written to the cache and have
-    no logits; the call's tokens never see them (their positions come later), so what the call computes
-    is what it computes without them.
+    instead of a second pass over the model after it): in every layer, right after the call's tokens, they
+    go through the same weights as a residual stream of their own, attend to the call's real tokens and to
+    each other (causally, by position), are never written to the cache and have no logits. The call's own
+    computation is untouched (bit-identical to the prefill without them).
 
     embeds [B,m,E] their input vectors; positions [B,m] int32 (-1 = padding); lora: LoRA factors applied
     to these rows only ({proj: {"a": [L,in,r], "b": [L,r,out]}}, or None) at `scale` (alpha / rank);
@@ -81,7 +82,7 @@ class Pass:
 class Shared:
     """The traced arrays every layer of one call reads: the call's view (positions, lengths), the RoPE
     tables of its positions, global [B,n,D] (the riders' rows after the call's) and (models with
-    sliding-window layers) local, and the riders' view (None without riders)."""
+    sliding-window layers) local, and the riders' view and RoPE tables [B,m,D] (None without riders)."""
 
     call: CallView
     cos: jax.Array
@@ -89,6 +90,8 @@ class Shared:
     local_cos: jax.Array | None = None
     local_sin: jax.Array | None = None
     riders: CallView | None = None
+    riders_cos: jax.Array | None = None
+    riders_sin: jax.Array | None = None
 
 
 def split_layers(params: Params) -> Params:
@@ -204,15 +207,12 @@ def rider_attention(p: Pass, s: Shared, view: LayerView, dtype: Any, q: jax.Arra
 
 def layer(p: Pass, s: Shared, carry: LayerCarry, xs: dict[str, Any]) -> tuple[LayerCarry, dict[str, jax.Array]]:
     """One decoder layer: qkv -> RoPE -> cache write -> attention -> observations -> output and MLP
-    (riders: the rows after the call's n, split off for attention only)."""
+    (then the riders' own stream through the same layer, when there are riders: the hook is theirs)."""
     lp, l, cache = xs["params"], xs["index"], carry.cache
     hook = None if "lora" not in xs else {**xs["adapter"], "lora": xs["lora"]}
-    q_raw, k_raw, v = layer_qkv(p.cfg, lp, carry.h, hook)
+    own_hook = None if p.riders is not None else hook
+    q_raw, k_raw, v = layer_qkv(p.cfg, lp, carry.h, own_hook)
     q, k = apply_rope(q_raw, s.cos, s.sin), apply_rope(k_raw, s.cos, s.sin)
-    if p.riders is not None:
-        n = s.call.positions.shape[1]
-        ride = (q[:, :, n:], k[:, :, n:], v[:, :, n:])
-        q, q_raw, k, k_raw, v = (x[:, :, :n] for x in (q, q_raw, k, k_raw, v))
     view = LayerView(q=q, q_raw=q_raw, k=k, v=v, wo=lp["o"], call=s.call)
     if p.cfg.local_layer_ids:
         cache, out, obs = mixed_attention(p, s, cache, {**xs, "k_raw": k_raw}, view)
@@ -221,10 +221,13 @@ def layer(p: Pass, s: Shared, carry: LayerCarry, xs: dict[str, Any]) -> tuple[La
             cache = cache.write_layer(l, k_raw if p.relative else k, v, s.call.positions, xs.get("slots"))
         attn, obs = global_attention(p, s, cache, l, xs.get("slots"), view)
         out = attn.out
+    riders = carry.riders
     if p.riders is not None:
-        ride_out, ride_obs = rider_attention(p, s, view, cache.k.dtype, *ride)
-        out, obs = jnp.concatenate([out, ride_out.astype(out.dtype)], axis=2), {**obs, **ride_obs}
-    return LayerCarry(h=layer_finish(p.cfg, lp, carry.h, out, hook), cache=cache), obs
+        rq, rk, rv = layer_qkv(p.cfg, lp, riders, hook)
+        rq, rk = apply_rope(rq, s.riders_cos, s.riders_sin), apply_rope(rk, s.riders_cos, s.riders_sin)
+        ride_out, ride_obs = rider_attention(p, s, view, cache.k.dtype, rq, rk, rv)
+        riders, obs = layer_finish(p.cfg, lp, riders, ride_out, hook), {**obs, **ride_obs}
+    return LayerCarry(h=layer_finish(p.cfg, lp, carry.h, out, own_hook), cache=cache, riders=riders), obs
 
 
 def _layer_inputs(cfg: ModelConfig, params: Params, slots: Any, adapter: Any, per_layer: bool) -> Any:
@@ -334,17 +337,17 @@ def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | Non
     call = CallView(positions=positions, lengths=jnp.sum(positions >= 0, axis=-1).astype(jnp.int32), fresh=fresh,
                     capacity=n if cache is None else cache.capacity, attn_scale=cfg.attn_scale,
                     rope_inv_freq=tuple(float(x) for x in inv_freq))
-    rows = positions
-    if riders is not None:  # their rows follow the call's through every layer
-        h = jnp.concatenate([h, riders.embeds.astype(h.dtype)], axis=1)
-        rows = jnp.concatenate([positions, riders.positions.astype(positions.dtype)], axis=1)
+    shared = Shared(call, *rope_tables(jnp.maximum(positions, 0), inv_freq, cfg.jnp_dtype))
+    ride = None
+    if riders is not None:  # a residual stream of their own through every layer
+        ride = riders.embeds.astype(h.dtype)
         if riders.lora is not None:
-            adapter = {"lora": riders.lora, "tail": riders.positions.shape[1], "scale": riders.scale}
-    shared = Shared(call, *rope_tables(jnp.maximum(rows, 0), inv_freq, cfg.jnp_dtype))
-    if riders is not None:
+            adapter = {"lora": riders.lora, "mask": riders.positions >= 0, "scale": riders.scale}
         shared = shared.replace(riders=CallView(
             positions=riders.positions, lengths=jnp.sum(riders.positions >= 0, axis=-1).astype(jnp.int32),
-            fresh=False, capacity=n, attn_scale=cfg.attn_scale, rope_inv_freq=call.rope_inv_freq))
+            fresh=False, capacity=n, attn_scale=cfg.attn_scale, rope_inv_freq=call.rope_inv_freq),
+            **dict(zip(("riders_cos", "riders_sin"), rope_tables(jnp.maximum(riders.positions, 0), inv_freq,
+                                                                 cfg.jnp_dtype))))
     if cfg.local_layer_ids:
         shared = shared.replace(**dict(zip(("local_cos", "local_sin"), rope_tables(
             jnp.maximum(positions, 0), local_inverse_frequencies(cfg), cfg.jnp_dtype))))
@@ -352,10 +355,10 @@ def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | Non
              differentiable or cache is None, None if riders is None else riders.observe)
     step = functools.partial(layer, p, shared)
     per_layer = (cache is not None and not cache.stacked) or isinstance(params["layers"], (tuple, list))
-    carry, obs = run_layers(jax.checkpoint(step) if remat else step, LayerCarry(h=h, cache=cache),
+    carry, obs = run_layers(jax.checkpoint(step) if remat else step, LayerCarry(h=h, cache=cache, riders=ride),
                             _layer_inputs(cfg, params, None if fresh or not commit else slots, adapter, per_layer))
     if cfg.local_layer_ids and not per_layer:  # observations of the global layers only, as the cache holds
         obs = jax.tree.map(lambda a: a[np.asarray(cfg.global_layer_ids)], obs)
-    h = carry.h[:, :n] if logit_index is None else jnp.take_along_axis(carry.h, logit_index[..., None], axis=1)
+    h = carry.h if logit_index is None else jnp.take_along_axis(carry.h, logit_index[..., None], axis=1)
     recorded = Observations(**obs, **observe.per_call(call), lengths=call.lengths, attn_scale=cfg.attn_scale)
     return output_logits(params, cfg, h), carry.cache if commit else cache, recorded

@@ -44,18 +44,13 @@ def _lora(y: jax.Array, x: jax.Array, name: str, hook: dict[str, Any] | None) ->
     """y + mask * scale * (x A) B on the hook's rows only; other rows are returned bit-identical.
 
     x [B,n,in], y [B,n,out]; hook: {"lora": {name: {"a": [in,r], "b": [r,out]}} (this layer's slice),
-    "mask": [B,n] bool, "scale": float}, or "tail": m (a static int) instead of the mask: the last m rows
-    (a prefill's riders; the others' LoRA is never computed). Projections absent from hook["lora"] are left
-    alone.
+    "mask": [B,n] bool, "scale": float}. Projections absent from hook["lora"] are left alone.
     """
     if hook is None or name not in hook["lora"]:
         return y
     f = hook["lora"][name]
-    lora = lambda x: (x.astype(jnp.float32) @ f["a"].astype(jnp.float32)) @ f["b"].astype(jnp.float32)  # noqa: E731
-    if "tail" in hook:
-        m = hook["tail"]
-        return y.at[:, y.shape[1] - m:].add((hook["scale"] * lora(x[:, x.shape[1] - m:])).astype(y.dtype))
-    return jnp.where(hook["mask"][..., None], y + (hook["scale"] * lora(x)).astype(y.dtype), y)
+    delta = (x.astype(jnp.float32) @ f["a"].astype(jnp.float32)) @ f["b"].astype(jnp.float32)
+    return jnp.where(hook["mask"][..., None], y + (hook["scale"] * delta).astype(y.dtype), y)
 
 
 def _norm_fn(cfg: ModelConfig):
