@@ -5,8 +5,7 @@ machine can run), so the numbers are about cost, not quality. "full" is the jitt
 no policy; "+eviction" is the same prefill that also records the policy's observations, scores,
 selects and compacts the cache. Both run on one prompt filling the bucket. For KVzip the
 "+eviction" prefill includes its repeat-the-context passes (its reconstruction observation); for
-LookaheadKV, its lookahead tokens (an adapter of default size, fresh for the bench model), riding along the prefill
-as the engine runs them (`--no-ride`: the second pass over the model it replaces).
+LookaheadKV, the pass of its lookahead tokens (an adapter of default size, fresh for the bench model).
 """
 
 from __future__ import annotations
@@ -71,9 +70,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "repeatable)")
     parser.add_argument("--lookahead-members", type=int, default=1,
                         help="the adapter as an ensemble of this many members (kvjax.lookahead.stack)")
-    parser.add_argument("--ride", default=True, action=argparse.BooleanOptionalAction,
-                        help="run a pass that can ride along the prefill (lookahead_kv's tokens) inside it, as the "
-                             "engine does (--no-ride: after it, as a second pass over the model)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="also write the markdown report here")
 
 
@@ -133,18 +129,13 @@ def run(args: argparse.Namespace) -> int:
                 rows.append([name, T, "n/a", "n/a", "n/a", f"not run: {e}"])
                 continue
 
-            mode = steps.rope_mode(policy)
-            ride, ride_inputs = (steps.rider([policy], cfg, mode) or (None, None)) if args.ride else (None, None)
-
-            def evict(params=params, plan=plan, policy=policy, mode=mode, ride=ride, ride_inputs=ride_inputs):
+            def evict(params=params, plan=plan, policy=policy):
                 _, cache, obs, _ = steps.prefill(params, tokens, positions, key, capacity=T,
-                                                 observe=steps.prefill_spec([policy]), rope_mode=mode, ride=ride,
-                                                 ride_inputs=ride_inputs, **common)
+                                                 observe=steps.prefill_spec([policy]), rope_mode=steps.rope_mode(policy),
+                                                 **common)
                 for o in policy.requirements().observe.producers:  # passes after the prefill (kvzip, lookahead_kv)
-                    if o != ride:
-                        obs = obs.replace(**steps.produce(params, cache, tokens, positions,
-                                                          policy.observation_inputs(), cfg=cfg, observation=o,
-                                                          rope_mode=mode))
+                    obs = obs.replace(**steps.produce(params, cache, tokens, positions, policy.observation_inputs(),
+                                                      cfg=cfg, observation=o, rope_mode=steps.rope_mode(policy)))
                 return steps.compress(cache, obs, plan, policy=policy, capacity=T, mesh=None)
 
             base, t = paired_medians(full, evict, args.repeats)
@@ -160,8 +151,7 @@ def run(args: argparse.Namespace) -> int:
         f"- compression_ratio {args.compression_ratio}; median of {args.repeats} runs after a compile run, "
         "the two prefills run alternately",
         "- full = jitted prefill without a policy; +eviction = the same prefill plus observations, scoring, "
-        "selection and compaction (kvzip*: its repeat-the-context passes included; lookahead_kv: its lookahead "
-        + ("tokens, riding along the prefill as the engine runs them)" if args.ride else "pass after the prefill)"),
+        "selection and compaction (kvzip*: its repeat-the-context passes included; lookahead_kv: its lookahead pass)",
         *([f"- LookaheadKV adapter: {la_config.n_tokens} tokens"
            + (f" x {args.lookahead_members} members" if args.lookahead_members > 1 else "")
            + (f", options {' '.join(args.lookahead_option)}" if args.lookahead_option else "")]

@@ -348,18 +348,13 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
     padded with `pad`); the shared prefill runs only if some other run needs it."""
     ok = [r for r in runs if isinstance(r, _Run) and not _chunked(r)]
     prefilled = {}
-    produced: dict[tuple[Any, ...], tuple[Any, dict[str, jax.Array]]] = {}
     for mode in dict.fromkeys(steps.rope_mode(r.policy) for r in ok):
-        group = [r.policy for r in ok if steps.rope_mode(r.policy) == mode]
-        ride, inputs = steps.rider(group, model.config, mode) or (None, None)
-        if ride is not None:
-            ride.check(model.config, int(jnp.max(jnp.sum(positions >= 0, axis=-1))), inputs)
-        first, cache, observations, _ = steps.prefill(
-            model.params, tokens, positions, key, cfg=model.config, capacity=bucket, observe=steps.prefill_spec(group),
-            rope_mode=mode, sampler=sampler, mesh=model.mesh, ride=ride, ride_inputs=inputs)
-        if ride is not None:  # its pass is done: `_produced` finds its fields
-            produced[(ride, id(inputs), mode)] = inputs, ride.restrict(observations.values)
+        spec = steps.prefill_spec([r.policy for r in ok if steps.rope_mode(r.policy) == mode])
+        first, cache, observations, _ = steps.prefill(model.params, tokens, positions, key, cfg=model.config,
+                                                      capacity=bucket, observe=spec, rope_mode=mode, sampler=sampler,
+                                                      mesh=model.mesh)
         prefilled[mode] = first, cache, observations
+    produced: dict[tuple[Any, ...], tuple[Any, dict[str, jax.Array]]] = {}
     for r in runs:
         if not isinstance(r, _Run):
             yield None

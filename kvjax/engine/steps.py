@@ -49,32 +49,12 @@ def rope_mode(policy: Policy | None) -> str:
     return "original" if policy is None else policy.requirements().rope_mode
 
 
-def rider(policies: list[Policy | None], cfg: ModelConfig, mode: str = "original"
-          ) -> tuple[Observation, object] | None:
-    """The pass that rides along the shared prefill of `policies` in RoPE mode `mode` (`Observation.rides`)
-    and its policy's inputs, or None. One at most (the riders of two passes would see each other): when
-    the policies run more than one pass (distinct observations or inputs), all of them run after it."""
-    if mode != "original":
-        return None
-    found = {}
-    for p in policies:
-        if p is not None:
-            inputs = p.observation_inputs()
-            found.update({(o, id(inputs)): (o, inputs) for o in p.requirements().observe.producers})
-    if len(found) != 1:
-        return None
-    (o, inputs), = found.values()
-    return (o, inputs) if o.rides(cfg) else None
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "observe", "rope_mode", "sampler", "mesh", "ride"))
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "observe", "rope_mode", "sampler", "mesh"))
 def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, cfg: ModelConfig, capacity: int,
-            observe: ObservationSpec, rope_mode: str, sampler: Sampler, mesh, ride: Observation | None = None,
-            ride_inputs=None) -> tuple[jax.Array, KVCache, Observations, jax.Array]:
+            observe: ObservationSpec, rope_mode: str, sampler: Sampler, mesh
+            ) -> tuple[jax.Array, KVCache, Observations, jax.Array]:
     """The model prefill, shared by every policy. tokens, positions [B,T] (right-padded, -1 = padding).
 
-    ride: a pass run inside the prefill instead of after it (`rider`: its tokens ride along the prompt's,
-    `Observation.riders`), with its policy's traced `ride_inputs`; its fields join the observations.
     Returns first-token ids [B], the full cache of `capacity` slots (global layers; the rolling
     buffers of sliding-window layers in `cache.local`), the `Observations` asked for, and the
     first-token logits [B,V].
@@ -83,9 +63,8 @@ def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, 
     B = tokens.shape[0]
     lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
     cache = constrain(init_cache(cfg, B, capacity), mesh)
-    riders = None if ride is None else ride.riders(cfg, lengths, ride_inputs)
     logits, cache, observations = extend(params, cfg, cache, tokens, positions, fresh=True, observe=observe,
-                                         logit_index=(lengths - 1)[:, None], rope_mode=rope_mode, riders=riders)
+                                         logit_index=(lengths - 1)[:, None], rope_mode=rope_mode)
     return sampler(logits[:, 0], key), cache, observations, logits[:, 0]
 
 

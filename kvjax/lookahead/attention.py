@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from kvjax.cache import KVCache
 from kvjax.lookahead.config import LookaheadConfig
 from kvjax.models.config import ModelConfig
-from kvjax.models.forward import Riders, extend
+from kvjax.models.forward import extend
 from kvjax.models.local import init_cache
 from kvjax.observations import ObservationSpec
 
@@ -116,19 +116,6 @@ def lookahead_observations(model_params: dict[str, Any], model_cfg: ModelConfig,
                        differentiable=differentiable)
     fields = ("query_mass", "query_sumsq", "query_entropy") if moments else ("query_mass",)
     return {f: getattr(obs, f) for f in fields}
-
-
-def lookahead_riders(adapter_params: dict[str, Any], config: LookaheadConfig, lengths: jax.Array, *,
-                     moments: bool = False) -> Riders:
-    """The n learned tokens as riders of the prompts' own prefill (`kvjax.models.forward.Riders`): the
-    pass of `lookahead_observations` without a second run over the model's weights. Recorded fields
-    and their shapes are that pass's."""
-    B, n = lengths.shape[0], config.n_tokens
-    positions = (lengths[:, None] + jnp.asarray(config.offsets, jnp.int32)[None]).astype(jnp.int32)
-    embeds = jnp.broadcast_to(adapter_params["embeddings"][None], (B, n, adapter_params["embeddings"].shape[-1]))
-    lora = {p: adapter_params["lora"][p] for p in config.projections}
-    return Riders(embeds=embeds, positions=positions, lora=lora, scale=config.scale,
-                  observe=ObservationSpec(query_mass=True, query_moments=moments))
 
 
 def predicted_attention(model_params: dict[str, Any], model_cfg: ModelConfig, adapter_params: dict[str, Any],

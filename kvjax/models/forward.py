@@ -34,39 +34,16 @@ from kvjax.observations import CallView, LayerView, Observations, ObservationSpe
 
 @struct.dataclass
 class LayerCarry:
-    """What flows from one layer to the next: h [B,n,E], the residual stream, the cache (None
-    without one: training), and the riders' residual stream [B,m,E] (None without riders)."""
+    """What flows from one layer to the next: h [B,n,E], the residual stream, and the cache (None
+    without one: training)."""
 
     h: jax.Array
     cache: Any
-    riders: jax.Array | None = None
-
-
-@struct.dataclass
-class Riders:
-    """Tokens that ride along a prefill (LookaheadKV's lookahead tokens, run in the prompt's own forward
-    instead of a second pass over the model after it): in every layer, right after the call's tokens, they
-    go through the same weights as a residual stream of their own, attend to the call's real tokens and to
-    each other (causally, by position), are never written to the cache and have no logits. The call's own
-    computation is untouched (bit-identical to the prefill without them).
-
-    embeds [B,m,E] their input vectors; positions [B,m] int32 (-1 = padding); lora: LoRA factors applied
-    to these rows only ({proj: {"a": [L,in,r], "b": [L,r,out]}}, or None) at `scale` (alpha / rank);
-    observe: what to record from their attention, as a pass against the prefilled cache with
-    commit=False records it (fields over the cache slots [L,B,Hq,C]).
-    """
-
-    embeds: jax.Array
-    positions: jax.Array
-    lora: Any = None
-    scale: float = struct.field(pytree_node=False, default=1.0)
-    observe: ObservationSpec = struct.field(pytree_node=False, default=ObservationSpec())
 
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
-    """The static facts of one `extend` call (`riders`: the spec recorded from the riders' attention,
-    None without riders)."""
+    """The static facts of one `extend` call."""
 
     cfg: ModelConfig
     spec: ObservationSpec
@@ -75,23 +52,18 @@ class Pass:
     relative: bool
     has_cache: bool
     differentiable: bool
-    riders: ObservationSpec | None = None
 
 
 @struct.dataclass
 class Shared:
-    """The traced arrays every layer of one call reads: the call's view (positions, lengths), the RoPE
-    tables of its positions, global [B,n,D] (the riders' rows after the call's) and (models with
-    sliding-window layers) local, and the riders' view and RoPE tables [B,m,D] (None without riders)."""
+    """The traced arrays every layer of one call reads: the call's view (positions, lengths) and the
+    RoPE tables of its positions, global [B,n,D] and (models with sliding-window layers) local."""
 
     call: CallView
     cos: jax.Array
     sin: jax.Array
     local_cos: jax.Array | None = None
     local_sin: jax.Array | None = None
-    riders: CallView | None = None
-    riders_cos: jax.Array | None = None
-    riders_sin: jax.Array | None = None
 
 
 def split_layers(params: Params) -> Params:
@@ -190,28 +162,11 @@ def mixed_attention(p: Pass, s: Shared, cache: Any, xs: dict[str, Any], view: La
     return cache, out, obs
 
 
-def rider_attention(p: Pass, s: Shared, view: LayerView, dtype: Any, q: jax.Array, k: jax.Array, v: jax.Array
-                    ) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """The riders' attention over the call's keys (as the cache stores them, in `dtype`) and their own
-    (post-RoPE q [B,Hq,m,D], k, v [B,Hkv,m,D]): their output [B,Hq,m,D] and what `p.riders` records from
-    it, over the call's slots padded to the cache's capacity."""
-    call, rcall = s.call, s.riders
-    stored = _own_keys(view.k.astype(dtype), view.v.astype(dtype), call.positions)
-    keys = _joined(stored, _own_keys(k, v, rcall.positions))
-    attn = attention(q, keys, rcall.positions, scale=p.cfg.attn_scale, softcap=p.cfg.attn_logit_softcapping,
-                     returns=p.riders.needs(rcall), differentiable=p.differentiable)
-    recorded = p.riders.record(LayerView(q=q, q_raw=q, k=k, v=v, wo=view.wo, call=rcall), attn)
-    pad = call.capacity - rcall.capacity
-    return attn.out, {f: jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)]) for f, x in recorded.items()}
-
-
 def layer(p: Pass, s: Shared, carry: LayerCarry, xs: dict[str, Any]) -> tuple[LayerCarry, dict[str, jax.Array]]:
-    """One decoder layer: qkv -> RoPE -> cache write -> attention -> observations -> output and MLP
-    (then the riders' own stream through the same layer, when there are riders: the hook is theirs)."""
+    """One decoder layer: qkv -> RoPE -> cache write -> attention -> observations -> output and MLP."""
     lp, l, cache = xs["params"], xs["index"], carry.cache
     hook = None if "lora" not in xs else {**xs["adapter"], "lora": xs["lora"]}
-    own_hook = None if p.riders is not None else hook
-    q_raw, k_raw, v = layer_qkv(p.cfg, lp, carry.h, own_hook)
+    q_raw, k_raw, v = layer_qkv(p.cfg, lp, carry.h, hook)
     q, k = apply_rope(q_raw, s.cos, s.sin), apply_rope(k_raw, s.cos, s.sin)
     view = LayerView(q=q, q_raw=q_raw, k=k, v=v, wo=lp["o"], call=s.call)
     if p.cfg.local_layer_ids:
@@ -221,13 +176,7 @@ def layer(p: Pass, s: Shared, carry: LayerCarry, xs: dict[str, Any]) -> tuple[La
             cache = cache.write_layer(l, k_raw if p.relative else k, v, s.call.positions, xs.get("slots"))
         attn, obs = global_attention(p, s, cache, l, xs.get("slots"), view)
         out = attn.out
-    riders = carry.riders
-    if p.riders is not None:
-        rq, rk, rv = layer_qkv(p.cfg, lp, riders, hook)
-        rq, rk = apply_rope(rq, s.riders_cos, s.riders_sin), apply_rope(rk, s.riders_cos, s.riders_sin)
-        ride_out, ride_obs = rider_attention(p, s, view, cache.k.dtype, rq, rk, rv)
-        riders, obs = layer_finish(p.cfg, lp, riders, ride_out, hook), {**obs, **ride_obs}
-    return LayerCarry(h=layer_finish(p.cfg, lp, carry.h, out, own_hook), cache=cache, riders=riders), obs
+    return LayerCarry(h=layer_finish(p.cfg, lp, carry.h, out, hook), cache=cache), obs
 
 
 def _layer_inputs(cfg: ModelConfig, params: Params, slots: Any, adapter: Any, per_layer: bool) -> Any:
@@ -271,8 +220,7 @@ def run_layers(step: Any, carry: LayerCarry, xs: Any) -> tuple[LayerCarry, dict[
     return carry, jax.tree.map(lambda *a: jnp.stack(a), *recorded) if recorded else {}
 
 
-def check_call(cfg: ModelConfig, cache: Any, fresh: bool, commit: bool, rope_mode: str, riders: Riders | None = None,
-               adapter: Any = None, observe: ObservationSpec = ObservationSpec()) -> None:
+def check_call(cfg: ModelConfig, cache: Any, fresh: bool, commit: bool, rope_mode: str) -> None:
     """ValueError for arguments `extend` cannot honour, naming them and what is accepted."""
     if rope_mode not in ("original", "cache_relative"):
         raise ValueError(f"rope_mode={rope_mode!r}; accepted values: 'original', 'cache_relative'")
@@ -280,15 +228,6 @@ def check_call(cfg: ModelConfig, cache: Any, fresh: bool, commit: bool, rope_mod
         raise ValueError("extend: cache=None needs fresh=True")
     if not commit and (fresh or rope_mode != "original"):
         raise ValueError("extend: commit=False needs fresh=False and rope_mode='original'")
-    if riders is not None:
-        if not fresh or cache is None or rope_mode != "original" or adapter is not None:
-            raise ValueError("extend: riders= ride along a prefill: they need fresh=True, a cache, "
-                             "rope_mode='original' and no adapter= (their LoRA is riders.lora)")
-        if cfg.local_layer_ids:
-            raise NotImplementedError("extend: riders= on a model with sliding-window layers (run them as a "
-                                      "pass against the prefilled cache instead)")
-        if overlap := sorted(set(observe.fields) & set(riders.observe.fields)):
-            raise ValueError(f"extend: observe= and riders.observe both record {overlap}")
     if cache is not None:
         cache.check_model(cfg)
 
@@ -297,7 +236,7 @@ def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | Non
            fresh: bool, observe: ObservationSpec = ObservationSpec(), logit_index: jax.Array | None = None,
            slots: jax.Array | None = None, remat: bool = False, rope_mode: str = "original",
            inputs_embeds: jax.Array | None = None, adapter: dict[str, Any] | None = None, commit: bool = True,
-           differentiable: bool = False, riders: Riders | None = None) -> tuple[jax.Array, Any, Observations]:
+           differentiable: bool = False) -> tuple[jax.Array, Any, Observations]:
     """Runs `n` new tokens through the model, writing their keys/values into `cache`.
 
     tokens [B,n] int32; positions [B,n] int32 absolute positions (-1 = padding, never attended or kept).
@@ -322,13 +261,11 @@ def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | Non
       own keys (causal by position) without writing them: the returned cache is `cache` itself.
     differentiable: every layer's attention is reverse-differentiable (a pass against a cache that is
       trained through, e.g. LookaheadKV's tokens); calls without a cache always are.
-    riders: tokens that ride along a prefill (`Riders`; fresh=True, rope_mode "original", no adapter=,
-      models without sliding-window layers): their fields join the returned observations.
     Returns logits [B,n or k,V] float32, the updated cache, and the `Observations` asked for (their
     shapes: `kvjax.observations`; L counts the global layers, C the cache slots).
     Real tokens of a row must have distinct positions (contiguous, as the engine feeds them).
     """
-    check_call(cfg, cache, fresh, commit, rope_mode, riders, adapter, observe)
+    check_call(cfg, cache, fresh, commit, rope_mode)
     B, n = positions.shape
     if not fresh and slots is None and commit:
         slots = cache.write_slots(n)
@@ -338,24 +275,14 @@ def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | Non
                     capacity=n if cache is None else cache.capacity, attn_scale=cfg.attn_scale,
                     rope_inv_freq=tuple(float(x) for x in inv_freq))
     shared = Shared(call, *rope_tables(jnp.maximum(positions, 0), inv_freq, cfg.jnp_dtype))
-    ride = None
-    if riders is not None:  # a residual stream of their own through every layer
-        ride = riders.embeds.astype(h.dtype)
-        if riders.lora is not None:
-            adapter = {"lora": riders.lora, "mask": riders.positions >= 0, "scale": riders.scale}
-        shared = shared.replace(riders=CallView(
-            positions=riders.positions, lengths=jnp.sum(riders.positions >= 0, axis=-1).astype(jnp.int32),
-            fresh=False, capacity=n, attn_scale=cfg.attn_scale, rope_inv_freq=call.rope_inv_freq),
-            **dict(zip(("riders_cos", "riders_sin"), rope_tables(jnp.maximum(riders.positions, 0), inv_freq,
-                                                                 cfg.jnp_dtype))))
     if cfg.local_layer_ids:
         shared = shared.replace(**dict(zip(("local_cos", "local_sin"), rope_tables(
             jnp.maximum(positions, 0), local_inverse_frequencies(cfg), cfg.jnp_dtype))))
     p = Pass(cfg, observe, fresh, commit, rope_mode == "cache_relative", cache is not None,
-             differentiable or cache is None, None if riders is None else riders.observe)
+             differentiable or cache is None)
     step = functools.partial(layer, p, shared)
     per_layer = (cache is not None and not cache.stacked) or isinstance(params["layers"], (tuple, list))
-    carry, obs = run_layers(jax.checkpoint(step) if remat else step, LayerCarry(h=h, cache=cache, riders=ride),
+    carry, obs = run_layers(jax.checkpoint(step) if remat else step, LayerCarry(h=h, cache=cache),
                             _layer_inputs(cfg, params, None if fresh or not commit else slots, adapter, per_layer))
     if cfg.local_layer_ids and not per_layer:  # observations of the global layers only, as the cache holds
         obs = jax.tree.map(lambda a: a[np.asarray(cfg.global_layer_ids)], obs)

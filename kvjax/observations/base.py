@@ -126,13 +126,3 @@ class Observation:
     def produce(self, params: Any, cfg: Any, cache: Any, tokens: jax.Array, positions: jax.Array, *,
                 rope_mode: str, inputs: Any) -> dict[str, jax.Array]:
         raise NotImplementedError(f"{type(self).__name__} is recorded by the forward, not produced after it")
-
-    def rides(self, cfg: Any) -> bool:
-        """Producers: whether the pass can instead ride along the prompt's prefill (`riders`) on `cfg`'s
-        model, with the same fields."""
-        return False
-
-    def riders(self, cfg: Any, lengths: jax.Array, inputs: Any) -> Any:
-        """Producers that ride (`rides`): the tokens that ride along a prefill of prompts of `lengths` [B]
-        tokens (`kvjax.models.forward.Riders`), recording this observation's fields."""
-        raise NotImplementedError(f"{type(self).__name__} does not ride along the prefill")

@@ -87,11 +87,6 @@ class ObservationSpec:
         return ObservationSpec(*(o for o in self.items if phase in o.phases and not o.producer))
 
     @property
-    def fields(self) -> tuple[str, ...]:
-        """The fields its observations record."""
-        return tuple(f for o in self.items for f in o.fields)
-
-    @property
     def producers(self) -> tuple[Observation, ...]:
         """The passes the engine runs after the prefill."""
         return tuple(o for o in self.items if o.producer)

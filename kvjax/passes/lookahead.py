@@ -1,8 +1,5 @@
-"""LookaheadKV's lookahead tokens: the adapter's n learned tokens (LoRA on their rows) attend to the prompt's
-keys without being stored. The engine runs them as riders of the prompt's own prefill (`riders`,
-`kvjax.models.forward.Riders`: one run over the model's weights, where a pass after the prefill is a second
-one, as costly on a CPU as a decode step of the whole model); an ensemble, a model with sliding-window
-layers, or a prefill shared with another adapter's tokens runs them as a pass after it (`produce`).
+"""LookaheadKV's lookahead tokens: a pass the engine runs after the prefill, in which the adapter's n
+learned tokens (LoRA on their rows) attend to the prompt cache without being stored.
 
 The adapter's static configuration rides in the spec (`LookaheadTokens(config, model_info)`); its
 params are the policy's traced inputs (`Policy.observation_inputs()`). An ensemble (`members` M > 1,
@@ -24,9 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.lookahead import LookaheadConfig, ModelInfo, check_positions, lookahead_observations, lookahead_riders
+from kvjax.lookahead import LookaheadConfig, ModelInfo, check_positions, lookahead_observations
 from kvjax.models.config import ModelConfig
-from kvjax.models.forward import Riders
 from kvjax.observations.base import Observation
 
 
@@ -67,11 +63,3 @@ class LookaheadTokens(Observation):
         if self.members == 1:
             return one(inputs)
         return {k: v.mean(axis=0) for k, v in jax.lax.map(one, inputs).items()}
-
-    def rides(self, cfg: ModelConfig) -> bool:
-        """One adapter (not an ensemble, whose members must not see each other) on a model without
-        sliding-window layers."""
-        return self.members == 1 and not cfg.local_layer_ids
-
-    def riders(self, cfg: ModelConfig, lengths: jax.Array, inputs: Any) -> Riders:
-        return lookahead_riders(inputs, self.config, lengths, moments=self.moments)
