@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import pathlib
 import platform
 import statistics
 import time
@@ -66,3 +67,11 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" for _ in columns) + "|"]
     lines += ["| " + " | ".join(cell(x) for x in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def emit(report: str, out: pathlib.Path | None) -> None:
+    """Prints a bench's markdown report and, given `out`, writes it there too (folders created)."""
+    print(report)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(report)

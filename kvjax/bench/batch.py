@@ -24,7 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from kvjax.bench._timing import header_lines, markdown_table
+from kvjax.bench._timing import emit, header_lines, markdown_table
 from kvjax.engine import generate
 from kvjax.models.config import ModelConfig
 from kvjax.models.export import init_params
@@ -112,8 +112,5 @@ def run(args: argparse.Namespace) -> int:
         f"- median of {args.repeats} runs after a compile run, the three ways run in turn",
         f"- the same generated tokens in all three ways: {'yes' if same else 'NO'}", "",
         markdown_table(["way", "seconds", "ratio to one by one"], rows), ""])
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    emit(report, args.out)
     return 0 if same else 1

@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import policies as kvpolicies
-from kvjax.bench._timing import header_lines, markdown_table
+from kvjax.bench._timing import emit, header_lines, markdown_table
 from kvjax.bench.prefill import load_average
 from kvjax.engine import Setting, generate_settings, make_plan, steps
 from kvjax.engine.inputs import BUCKETS, STEP_BUCKETS, bucket_length
@@ -250,10 +250,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         raise SystemExit(f"python -m kvjax.bench capacity: error: {err}") from None
     results, report = measure(args)
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    emit(report, args.out)
     return 0 if all(r["tokens"] != "NO" for r in results) else 1
 
 

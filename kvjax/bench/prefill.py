@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import policies
-from kvjax.bench._timing import header_lines, markdown_table
+from kvjax.bench._timing import emit, header_lines, markdown_table
 from kvjax.bench.overhead import bench_config
 from kvjax.engine import make_plan, steps
 from kvjax.kernels.attention import Keys, attention
@@ -216,8 +216,5 @@ def run(args: argparse.Namespace) -> int:
             f"Batch 1, {cfg.num_heads} query / {cfg.num_kv_heads} KV heads, head_dim {cfg.head_dim}, float32, causal; "
             f"the same median of {args.repeats} alternating runs. jax.nn.dot_product_attention (XLA) materialises "
             f"the whole [Hq, T, T] square and is not run beyond {DPA_MAX} tokens.", "", table, ""])
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    emit(report, args.out)
     return 0

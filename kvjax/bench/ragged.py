@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvjax import policies
-from kvjax.bench._timing import header_lines, markdown_table
+from kvjax.bench._timing import emit, header_lines, markdown_table
 from kvjax.bench.overhead import bench_config
 from kvjax.cache_ragged import choose_layout
 from kvjax.engine import api, make_plan, steps
@@ -118,8 +118,5 @@ def run(args: argparse.Namespace) -> int:
         "room+slack: what they hold beyond the kept entries (decode room, rounding, and the dense layout's "
         "padding up to the largest head)"), "", table, "",
         "Command: `python -m kvjax.bench ragged --out eval/ragged/ragged_decode_cpu.md`", ""])
-    print(report)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(report)
+    emit(report, args.out)
     return 0

@@ -42,7 +42,7 @@ def prompt_cache(model_params: dict[str, Any], model_cfg: ModelConfig, tokens: j
     B, T = tokens.shape
     cache = init_cache(model_cfg, B, T)
     _, cache, _ = extend(model_params, model_cfg, cache, tokens, positions, fresh=True,
-                         logit_index=jnp.zeros((B, 1), jnp.int32))  # no [B, T, V] logits
+                         logit_index=jnp.zeros((B, 0), jnp.int32))  # no logits
     return cache
 
 
@@ -112,7 +112,7 @@ def lookahead_observations(model_params: dict[str, Any], model_cfg: ModelConfig,
     hook = adapter_hook(adapter_params, config, jnp.ones((B, n), bool))
     _, _, obs = extend(model_params, model_cfg, cache, None, positions, fresh=False, commit=False,
                        observe=ObservationSpec(query_mass=True, query_moments=moments), inputs_embeds=embeds,
-                       adapter=hook, logit_index=jnp.zeros((B, 1), jnp.int32), remat=remat,
+                       adapter=hook, logit_index=jnp.zeros((B, 0), jnp.int32), remat=remat,
                        differentiable=differentiable)
     fields = ("query_mass", "query_sumsq", "query_entropy") if moments else ("query_mass",)
     return {f: getattr(obs, f) for f in fields}
@@ -157,7 +157,7 @@ def response_attention(model_params: dict[str, Any], model_cfg: ModelConfig, cac
         grown, acc = carry
         t, p = xs
         _, grown, obs = extend(model_params, model_cfg, grown, t, p, fresh=False,
-                               observe=ObservationSpec(query_mass=True), logit_index=jnp.zeros((B, 1), jnp.int32))
+                               observe=ObservationSpec(query_mass=True), logit_index=jnp.zeros((B, 0), jnp.int32))
         return (grown, acc + obs.query_mass[..., :C]), None
 
     acc0 = jnp.zeros((model_cfg.num_global_layers, B, model_cfg.num_heads, C), jnp.float32)

@@ -246,7 +246,8 @@ def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | Non
       the new keys. Otherwise they go to each head's first free slots and attend to the cache.
     observe: what to record (`ObservationSpec`); window queries are those of the last `observe.window`
       real tokens of each row (tokens are right-padded).
-    logit_index [B,k]: indices of the tokens whose logits are returned (all tokens when None).
+    logit_index [B,k]: indices of the tokens whose logits are returned (all tokens when None; k = 0: none, and
+      the output head, the largest matrix of a small model, is not read).
     slots [L,B,Hkv,n]: where the new tokens are written (default: `cache.write_slots(n)`).
     remat: rematerialise each layer in the backward pass (training).
     rope_mode: "original", or "cache_relative" (StreamingLLM): keys are cached un-rotated; a filled cache

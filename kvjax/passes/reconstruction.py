@@ -290,7 +290,7 @@ def reconstruction_scores(params: Any, cfg: ModelConfig, cache: KVCache, tokens:
         slots = jnp.broadcast_to(C + jnp.arange(n, dtype=jnp.int32), (L, B, Hkv, n))
         _, grown, obs = extend(params, cfg, cache.grow(C + n), ids, pos, fresh=False, slots=slots,
                                observe=ObservationSpec(window=n), rope_mode=rope_mode,
-                               logit_index=jnp.zeros((B, 1), jnp.int32))
+                               logit_index=jnp.zeros((B, 0), jnp.int32))  # no logits
         q, qpos = obs.window_queries, obs.window_positions  # every query of the pass (n = the window)
         sink = min(spec.n_sink, start)
         if implementation == "materialized":

@@ -481,11 +481,17 @@ def _order_keys(
     return keys
 
 
-def _inverse_permutation(perm: jax.Array) -> jax.Array:
-    """r with r[..., perm[..., i]] = i along the last axis. A scatter (on CPU 50x cheaper than the sort
-    that inverts it), except on TPUs, where scatters serialise and the sort stays."""
+INVERSIONS = ("scatter", "sort")
+
+
+def inverse_permutation(perm: jax.Array, by: str | None = None) -> jax.Array:
+    """r with r[..., perm[..., i]] = i along the last axis. by="scatter" (on CPU ~50x cheaper than the sort)
+    or "sort" (a second stable sort); None: the sort on TPUs, where scatters serialise, else the scatter."""
+    if by is None:
+        by = "sort" if jax.default_backend() == "tpu" else "scatter"
+    check_choice("by", by, INVERSIONS)
     iota = jax.lax.broadcasted_iota(jnp.int32, perm.shape, perm.ndim - 1)
-    if jax.default_backend() == "tpu":
+    if by == "sort":
         return jax.lax.sort((perm, iota), dimension=-1, is_stable=True, num_keys=1)[1]
     lead = tuple(jax.lax.broadcasted_iota(jnp.int32, perm.shape, d) for d in range(perm.ndim - 1))
     return jnp.zeros_like(perm).at[(*lead, perm)].set(iota, unique_indices=True)
@@ -498,17 +504,19 @@ def rank(
     pos: jax.Array,
     protected: jax.Array | None = None,
     tiebreak: jax.Array | None = None,
+    invert_by: str | None = None,
 ) -> jax.Array:
     """Rank of every slot along the last axis (0 = kept first), int32, same shape as `scores`.
 
     Order: valid protected slots (most recent first), then valid slots by score descending,
     then `tiebreak` descending, then lower position first; invalid slots last. One stable sort
-    and the inverse of its permutation (ties beyond these keys go to the lower slot index).
+    and the inverse of its permutation (`inverse_permutation(perm, invert_by)`; ties beyond these keys go
+    to the lower slot index).
     """
     keys = _order_keys(scores, valid, pos, protected, tiebreak)
     iota = jax.lax.broadcasted_iota(jnp.int32, scores.shape, scores.ndim - 1)
     perm = jax.lax.sort((*keys, iota), dimension=-1, is_stable=True, num_keys=len(keys))[-1]
-    return _inverse_permutation(perm)
+    return inverse_permutation(perm, invert_by)
 
 
 def select(

@@ -8,7 +8,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvjax.policies.base import rank, recent_mask, select
+from kvjax.policies.base import inverse_permutation, rank, recent_mask, select
 
 _select = jax.jit(lambda s, v, c, p, pr, tb: select(s, v, c, pos=p, protected=pr, tiebreak=tb))
 
@@ -58,11 +58,10 @@ def test_traced_per_row_counts():
     assert keep[1].tolist() == [False, False, True, True]
 
 
-@pytest.mark.parametrize("backend", ["cpu", "tpu"])
-def test_rank_matches_a_python_sort_with_infinities_and_tiebreaks(monkeypatch, backend):
+@pytest.mark.parametrize("invert_by", ["scatter", "sort"])
+def test_rank_matches_a_python_sort_with_infinities_and_tiebreaks(invert_by):
     """The whole rank (not only a kept set), with scores at +-inf and +-0.0, protected slots and a tiebreak;
-    on TPUs the permutation is inverted by a second sort, elsewhere by a scatter: both give the same."""
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
+    the permutation inverted by a scatter (the default but on TPUs) or by a second sort (TPUs)."""
     rng = np.random.default_rng(3)
     shape = (2, 3, 29)
     scores = rng.choice(np.array([-np.inf, -1.5, -0.0, 0.0, 0.5, 2.0, np.inf], np.float32), shape)
@@ -71,7 +70,7 @@ def test_rank_matches_a_python_sort_with_infinities_and_tiebreaks(monkeypatch, b
     protected = rng.random(shape) < 0.15
     tiebreak = rng.integers(0, 3, shape).astype(np.float32)
     for prot, tb in ((None, None), (protected, None), (protected, tiebreak)):
-        r = np.asarray(rank(scores, valid, pos=pos, protected=prot, tiebreak=tb))
+        r = np.asarray(rank(scores, valid, pos=pos, protected=prot, tiebreak=tb, invert_by=invert_by))
         for i in np.ndindex(shape[:2]):
             p = np.zeros(29, bool) if prot is None else prot[i] & valid[i]
             t = np.zeros(29) if tb is None else tb[i]
@@ -85,3 +84,8 @@ def test_rank_matches_a_python_sort_with_infinities_and_tiebreaks(monkeypatch, b
                 return (1, -float(scores[i][j]), -float(t[j]), pos[i][j], j)
 
             assert list(np.argsort(r[i])) == sorted(range(29), key=key)
+
+
+def test_inverse_permutation_rejects_an_unknown_method():
+    with pytest.raises(ValueError, match=r"by must be one of \('scatter', 'sort'\), got 'gather'"):
+        inverse_permutation(np.arange(4, dtype=np.int32), "gather")
