@@ -116,13 +116,7 @@ class KVCache:
         Raises if some head keeps more than `capacity` slots (checked only outside jit).
         """
         keep = keep & self.valid
-        big = jnp.iinfo(jnp.int32).max
-        order_key = jnp.where(keep, self.pos, big)
-        order = jnp.argsort(order_key, axis=-1, stable=True)
-        if order.shape[-1] < capacity:
-            pad = jnp.zeros(order.shape[:-1] + (capacity - order.shape[-1],), order.dtype)
-            order = jnp.concatenate([order, pad], axis=-1)
-        src = order[..., :capacity].astype(jnp.int32)
+        src = kept_sources(keep, self.pos, capacity)
         n_keep = keep.sum(-1)
         filled = jnp.arange(capacity) < n_keep[..., None]
         if not isinstance(n_keep, jax.core.Tracer) and int(n_keep.max(initial=0)) > capacity:
@@ -207,6 +201,45 @@ class KVCache:
         per_entry = 2 * self.k.shape[-1] * self.k.dtype.itemsize
         own = int(jax.device_get(self.valid.sum())) * per_entry
         return own + (0 if self.local is None else self.local.nbytes_in_use())
+
+
+SOURCE_ORDERS = ("count", "sort")
+
+
+def kept_sources(keep: jax.Array, pos: jax.Array, capacity: int, by: str | None = None) -> jax.Array:
+    """The slots of the kept entries in position order, `[..., capacity]` int32 from keep, pos `[..., C]`
+    (past the kept count: any slot; `compact` masks them).
+
+    by="sort": a stable argsort of the positions. by="count": where the kept positions already ascend
+    along the slots (a prefill's cache, a compacted one and its appended tokens; not one whose freed slots
+    took later positions), kept slot s goes to place cumsum(keep)[s] - 1, a scatter (on CPU ~10x cheaper
+    than the sort); a `lax.cond` falls back to the sort when they do not. None: the sort on TPUs, where
+    scatters serialise, else "count".
+    """
+    if by is None:
+        by = "sort" if jax.default_backend() == "tpu" else "count"
+    if by not in SOURCE_ORDERS:
+        raise ValueError(f"kept_sources: by={by!r}; accepted values: {SOURCE_ORDERS} or None")
+    C = keep.shape[-1]
+
+    def by_sort() -> jax.Array:
+        order = jnp.argsort(jnp.where(keep, pos, jnp.iinfo(jnp.int32).max), axis=-1, stable=True)
+        if C < capacity:
+            order = jnp.concatenate([order, jnp.zeros(order.shape[:-1] + (capacity - C,), order.dtype)], axis=-1)
+        return order[..., :capacity].astype(jnp.int32)
+
+    def by_count() -> jax.Array:
+        place = jnp.where(keep, jnp.cumsum(keep, axis=-1, dtype=jnp.int32) - 1, capacity)  # capacity: dropped
+        lead = tuple(jax.lax.broadcasted_iota(jnp.int32, keep.shape, d) for d in range(keep.ndim - 1))
+        slot = jax.lax.broadcasted_iota(jnp.int32, keep.shape, keep.ndim - 1)
+        return jnp.zeros(keep.shape[:-1] + (capacity,), jnp.int32).at[(*lead, place)].set(slot, mode="drop")
+
+    if by == "sort":
+        return by_sort()
+    kept_pos = jnp.where(keep, pos, -1)
+    before = jnp.concatenate([jnp.full(kept_pos.shape[:-1] + (1,), -1, kept_pos.dtype),
+                              jax.lax.cummax(kept_pos, axis=kept_pos.ndim - 1)[..., :-1]], axis=-1)
+    return jax.lax.cond(jnp.all(~keep | (pos > before)), by_count, by_sort)
 
 
 def gather_slots(x: jax.Array, src: jax.Array) -> jax.Array:

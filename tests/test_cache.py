@@ -1,10 +1,11 @@
 """KVCache: append into free slots, eviction, compaction, bytes."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvjax.cache import KVCache, gather_slots
+from kvjax.cache import KVCache, gather_slots, kept_sources
 
 
 def _filled(L=2, B=2, H=3, C=8, D=4, n=6):
@@ -62,3 +63,49 @@ def test_compact_refuses_overflow():
     cache, _ = _filled()
     with pytest.raises(ValueError, match="capacity=3"):
         cache.compact(cache.valid, capacity=3)
+
+
+def _kept_in_position_order(keep: np.ndarray, pos: np.ndarray, capacity: int) -> list[list[int]]:
+    """Per (leading index) row: the kept slots sorted by position, at most `capacity` (the spec, in Python)."""
+    out = []
+    for idx in np.ndindex(keep.shape[:-1]):
+        slots = [s for s in range(keep.shape[-1]) if keep[idx][s]]
+        out.append(sorted(slots, key=lambda s: pos[idx][s])[:capacity])
+    return out
+
+
+@pytest.mark.parametrize("ascending", [True, False], ids=["slots-in-position-order", "shuffled-positions"])
+@pytest.mark.parametrize("capacity", [5, 12])
+@pytest.mark.parametrize("by", [None, "count", "sort"])
+def test_kept_sources_lists_kept_slots_by_position(ascending, capacity, by):
+    """Both orders, and the automatic choice (jitted, so the count path's fallback is a lax.cond), give the
+    kept slots in position order, whether or not positions ascend along the slots (an evict-then-append
+    cache reuses freed slots for later positions)."""
+    rng = np.random.RandomState(capacity + ascending)
+    shape = (2, 3, 4, 10)
+    pos = np.broadcast_to(np.arange(10) * 3 + 1, shape).copy()
+    if not ascending:
+        for idx in np.ndindex(shape[:-1]):
+            pos[idx] = rng.permutation(pos[idx])
+    keep = rng.rand(*shape) < 0.45
+    keep[0, 0, 0] = False  # a head that keeps nothing
+    got = np.asarray(jax.jit(lambda k, p: kept_sources(k, p, capacity, by=by))(jnp.asarray(keep), jnp.asarray(pos)))
+    assert got.shape == shape[:-1] + (capacity,) and got.dtype == np.int32
+    for row, want in zip(got.reshape(-1, capacity), _kept_in_position_order(keep, pos, capacity)):
+        np.testing.assert_array_equal(row[:len(want)], want)
+
+
+def test_compact_after_evict_and_append_orders_by_position():
+    """Freed slot 2 takes position 6: the compacted cache still lists positions in order (the sort path)."""
+    cache, _ = _filled()
+    cache = cache.evict(jnp.ones(cache.valid.shape, bool).at[..., 2].set(False))
+    new = jnp.full(cache.k.shape[:3] + (1, 4), 7.0)
+    cache = cache.append(new, new, jnp.full((2, 1), 6, jnp.int32))
+    small, src = jax.jit(lambda c: c.compact(c.valid & (c.pos != 4), 6))(cache)
+    np.testing.assert_array_equal(np.asarray(small.pos[0, 0, 0]), [0, 1, 3, 5, 6, -1])
+    np.testing.assert_array_equal(np.asarray(src[0, 0, 0]), [0, 1, 3, 5, 2, -1])
+
+
+def test_kept_sources_rejects_unknown_order():
+    with pytest.raises(ValueError, match="by='scatter'.*'count', 'sort'"):
+        kept_sources(jnp.ones((1, 4), bool), jnp.arange(4)[None], 4, by="scatter")

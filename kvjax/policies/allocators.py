@@ -31,7 +31,7 @@ from kvjax.policies.base import (
     check_choice,
     check_float,
     check_int,
-    rank,
+    select,
 )
 from kvjax.policies.scoring import Scored, attention_scale, last_window, window_moments
 
@@ -283,19 +283,17 @@ class Ada(Allocator):
         flat = lambda x: x.reshape(L, B, H * C)  # noqa: E731  (head-major, so ties go to lower heads)
         if self.rule == "kvpress":
             n_kept, n_safe = counts, floor
-            r_head = rank(s, valid, pos=pos, protected=prot)
-            rest = valid & (r_head >= n_safe[:, :, None, None])
-            r_glob = rank(flat(s), flat(rest), pos=flat(pos), protected=flat(prot))
-            n_glob = (H * (n_kept - n_safe))[..., None]
-            chosen = (flat(rest) & (r_glob < n_glob)).reshape(L, B, H, C).sum(-1)
+            rest = valid & ~select(s, valid, n_safe[:, :, None], pos=pos, protected=prot)
+            n_glob = H * (n_kept - n_safe)
+            chosen = select(flat(s), flat(rest), n_glob, pos=flat(pos), protected=flat(prot))
+            chosen = chosen.reshape(L, B, H, C).sum(-1)
             per_head = jnp.minimum(n_safe[..., None], valid.sum(-1)) + chosen
         else:
             cand = valid & ~prot
             bp = counts - protect  # B' per (layer, row)
             if self.normalize:
                 s = s * _top_share(s, cand, bp)
-            r_glob = rank(flat(s), flat(cand), pos=flat(pos))
-            chosen = (flat(cand) & (r_glob < (H * bp)[..., None])).reshape(L, B, H, C).sum(-1)
+            chosen = select(flat(s), flat(cand), H * bp, pos=flat(pos)).reshape(L, B, H, C).sum(-1)
             caps = jnp.round(chosen.astype(jnp.float32) * jnp.float32(1 - self.alpha) + floor[..., None])
             caps = caps.astype(jnp.int32)
             skipped = (jnp.arange(L) < self.skip)[:, None, None]
@@ -368,14 +366,12 @@ class Global(Allocator):
         if self.across_layers:  # one selection per row over (layer, head, slot)
             flat = lambda x: jnp.moveaxis(x, 1, 0).reshape(B, L * H * C)  # noqa: E731
             left = total[0] - forced.sum((0, 2))  # [B]
-            r = rank(flat(scored.scores), flat(rest), pos=flat(cache.pos))
-            chosen = flat(rest) & (r < left[:, None])
+            chosen = select(flat(scored.scores), flat(rest), left, pos=flat(cache.pos))
             chosen = jnp.moveaxis(chosen.reshape(B, L, H, C), 0, 1).sum(-1)
         else:
             flat = lambda x: x.reshape(L, B, H * C)  # noqa: E731
             left = total - forced.sum(-1)  # [L,B]
-            r = rank(flat(scored.scores), flat(rest), pos=flat(cache.pos))
-            chosen = (flat(rest) & (r < left[..., None])).reshape(L, B, H, C).sum(-1)
+            chosen = select(flat(scored.scores), flat(rest), left, pos=flat(cache.pos)).reshape(L, B, H, C).sum(-1)
         counts = jnp.where((nominal <= protect)[..., None], nominal[..., None], forced + chosen)
         return jnp.where(as_bool(data.compressed)[..., None], counts, lengths[None, :, None]).astype(jnp.int32)
 
