@@ -99,10 +99,12 @@ def test_inverse_permutation_and_select_reject_an_unknown_method():
         select(np.zeros((1, 4), np.float32), np.ones((1, 4), bool), 2, pos=np.arange(4)[None], by="radix")
 
 
+@pytest.mark.parametrize("by", ["bisection", "sort"])
 @pytest.mark.parametrize("positions", ["shuffled", "ascending"])
-def test_select_is_rank_below_count_for_every_count(positions):
-    """select (bisection, no sort) keeps exactly the slots with rank < count: per-row counts from 0 past the
-    row length, scores with +-inf, +-0.0 and NaN, protected slots, and a float tiebreak with +-0.0 and NaN."""
+def test_select_is_rank_below_count_for_every_count(positions, by):
+    """select (by bisection, no sort: the CPU default; or by rank's sort: accelerators) keeps exactly the slots
+    with rank < count: per-row counts from 0 past the row length, scores with +-inf, +-0.0 and NaN, protected
+    slots, and a float tiebreak with +-0.0 and NaN."""
     rng = np.random.default_rng(7)
     shape = (3, 4, 37)
     scores = rng.choice(np.array([-np.inf, -1.5, -0.0, 0.0, 0.5, 2.0, np.inf, np.nan, -np.nan], np.float32), shape)
@@ -117,7 +119,7 @@ def test_select_is_rank_below_count_for_every_count(positions):
     for prot, tb in ((None, None), (protected, None), (protected, tiebreak)):
         want = valid & (np.asarray(rank(scores, valid, pos=pos, protected=prot, tiebreak=tb)) < counts[..., None])
         got = np.asarray(jax.jit(lambda c: select(scores, valid, c, pos=pos, protected=prot, tiebreak=tb,
-                                                  by="bisection"))(counts))
+                                                  by=by))(counts))
         np.testing.assert_array_equal(got, want)
 
 
