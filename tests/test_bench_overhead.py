@@ -33,5 +33,42 @@ def test_report_names_the_timed_adapter(tmp_path, capsys):
     assert "not run" not in row and float(cells[5]) > 0 and float(cells[6]) > 0  # ratios of measured prefills
     full, alone, ratio = float(cells[3]), float(cells[8]), float(cells[9])
     assert alone > 0 and abs(ratio - (1 + alone / full)) < 1e-3 * ratio  # the passes, scoring and compaction alone
+    inside, whole = float(cells[10]), float(cells[11])  # window=8: the window's attention is recorded inside
+    assert abs(whole - (1 + (inside + alone) / full)) < 1e-3 * whole
     with pytest.raises(SystemExit, match="lookahead-members must be >= 1"):
         overhead.run(parser.parse_args(["--lookahead-members", "0"]))
+
+
+def test_recording_inside_the_prefill_is_timed_for_a_policy_that_records(tmp_path, monkeypatch):
+    """snapkv records its window's attention inside the prefill: a third program, the recording prefill, is timed
+    in the same rounds and its median paired difference from the full prefill enters the whole overhead;
+    lookahead_kv's prefill is the full one, so only two programs run for it."""
+    timed = []
+    real = overhead.alternating_times
+
+    def counting(fns, repeats):
+        timed.append(len(fns))
+        return real(fns, repeats)
+
+    monkeypatch.setattr(overhead, "alternating_times", counting)
+    parser = argparse.ArgumentParser()
+    overhead.add_arguments(parser)
+    args = parser.parse_args(["--policies", "snapkv,lookahead_kv", "--lengths", "256", "--hidden", "32", "--heads",
+                              "4", "--kv-heads", "2", "--layers", "1", "--vocab", "64", "--repeats", "2",
+                              "--lookahead-option", "n_tokens=4", "--out", str(tmp_path / "r.md")])
+    assert overhead.run(args) == 0
+    assert timed == [3, 2]
+    report = (tmp_path / "r.md").read_text().splitlines()
+    cells = next(line for line in report if line.startswith("| snapkv")).split("|")
+    full, alone, inside, whole = (float(cells[i]) for i in (3, 8, 10, 11))
+    assert inside != 0 and abs(whole - (1 + (inside + alone) / full)) < 1e-3 * whole
+    cells = next(line for line in report if line.startswith("| lookahead_kv")).split("|")
+    assert float(cells[10]) == 0 and float(cells[11]) == float(cells[9])  # its prefill is the full one
+
+
+def test_alternating_times_runs_each_function_in_turn():
+    calls = []
+    fns = [lambda i=i: calls.append(i) for i in range(3)]
+    times = overhead.alternating_times(fns, 2)
+    assert calls == [0, 1, 2] * 3  # a compile run each, then two rounds in turn
+    assert [len(t) for t in times] == [2, 2, 2] and all(x >= 0 for t in times for x in t)
