@@ -23,11 +23,13 @@ def test_report_names_the_timed_adapter(tmp_path, capsys):
     overhead.add_arguments(parser)
     args = parser.parse_args(["--policies", "lookahead_kv", "--lengths", "64", "--hidden", "32", "--heads", "4",
                               "--kv-heads", "2", "--layers", "1", "--vocab", "64", "--repeats", "1",
+                              "--intermediate", "48",
                               "--lookahead-option", "n_tokens=4", "--lookahead-option", "window=8",
                               "--lookahead-members", "2", "--out", str(tmp_path / "r.md")])
     assert overhead.run(args) == 0
     report = (tmp_path / "r.md").read_text()
     assert "- LookaheadKV adapter: 4 tokens x 2 members, options n_tokens=4 window=8" in report
+    assert "width 32 (MLP 48)" in report  # --intermediate
     row = next(line for line in report.splitlines() if line.startswith("| lookahead_kv"))
     cells = row.split("|")
     assert "not run" not in row and float(cells[5]) > 0 and float(cells[6]) > 0  # ratios of measured prefills
@@ -59,6 +61,7 @@ def test_recording_inside_the_prefill_is_timed_for_a_policy_that_records(tmp_pat
     assert overhead.run(args) == 0
     assert timed == [3, 2]
     report = (tmp_path / "r.md").read_text().splitlines()
+    assert "- model: random-weight Llama, 1 layers, width 32 (MLP 128), vocabulary 64" in "\n".join(report)
     cells = next(line for line in report if line.startswith("| snapkv")).split("|")
     full, alone, inside, whole = (float(cells[i]) for i in (3, 8, 10, 11))
     assert inside != 0 and abs(whole - (1 + (inside + alone) / full)) < 1e-3 * whole

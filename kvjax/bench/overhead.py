@@ -32,7 +32,8 @@ HELP = "prefill time with and without eviction scoring per policy, and their rat
 
 
 def bench_config(args: argparse.Namespace) -> ModelConfig:
-    return ModelConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=4 * args.hidden,
+    intermediate = 4 * args.hidden if args.intermediate is None else args.intermediate
+    return ModelConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=intermediate,
                        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                        head_dim=args.hidden // args.heads, max_position_embeddings=max(args.lengths) + 1,
                        rope_theta=500000.0, dtype=args.dtype)
@@ -65,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt lengths (each is its own bucket)")
     parser.add_argument("--compression-ratio", type=float, default=0.5, help="fraction of the prompt removed")
     parser.add_argument("--hidden", type=int, default=256, help="model width")
+    parser.add_argument("--intermediate", type=int, default=None,
+                        help="MLP width (default: 4 x --hidden; SmolLM2-135M: 1536)")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=8, help="query heads")
     parser.add_argument("--kv-heads", type=int, default=2)
@@ -167,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
                             "1 + (recorded inside + alone) / full"], rows)
     report = "\n".join([
         "# Eviction overhead at prefill", "", *header_lines(),
-        f"- model: random-weight Llama, {cfg.num_layers} layers, width {cfg.hidden_size}, {cfg.num_heads} query / "
+        f"- model: random-weight Llama, {cfg.num_layers} layers, width {cfg.hidden_size} (MLP "
+        f"{cfg.intermediate_size}), vocabulary {cfg.vocab_size}, {cfg.num_heads} query / "
         f"{cfg.num_kv_heads} KV heads (head_dim {cfg.head_dim}), {cfg.dtype}; batch 1",
         f"- compression_ratio {args.compression_ratio}; median of {args.repeats} runs after a compile run, "
         "the two prefills run alternately",
