@@ -14,10 +14,11 @@ from kvjax.observations.spec import Observations, ObservationSpec
 from kvjax.observations.window_queries import WindowQueries  # noqa: E402
 from kvjax.observations.column_mass import ColumnMass  # noqa: E402
 from kvjax.observations.step_probs import StepProbs  # noqa: E402
-from kvjax.observations.output_norms import OutputNorms, OutputNormsL2  # noqa: E402
+from kvjax.observations.output_norms import OutputNorms, OutputNormsL2, OutputNormsRMS  # noqa: E402
 from kvjax.observations.query_stats import QueryStats  # noqa: E402
 from kvjax.observations.query_mass import QueryMass  # noqa: E402
 from kvjax.observations.query_moments import QueryMoments  # noqa: E402
 
 __all__ = ["REGISTRY", "CallView", "ColumnMass", "LayerView", "Observation", "ObservationSpec", "Observations",
-           "OutputNorms", "OutputNormsL2", "QueryMass", "QueryMoments", "QueryStats", "StepProbs", "WindowQueries"]
+           "OutputNorms", "OutputNormsL2", "OutputNormsRMS", "QueryMass", "QueryMoments", "QueryStats", "StepProbs",
+           "WindowQueries"]

@@ -4,8 +4,12 @@ value projected by its query head's rows of the output projection, averaged over
 `ObservationSpec(output_norms_l2=True)` records the L2 norm, from the D x D Gram matrix of W_o^h:
 ||v W_o^h||_2 = sqrt(v (W_o^h W_o^h^T) v^T), D^2 multiply-adds per key and query head against the L1 norm's
 D x E (E the model width; for SmolLM2-135M 64 x 64 against 64 x 576, a ninth).
+`ObservationSpec(output_norms_rms=True)` records the root mean square of the group's L2 norms,
+sqrt(mean_h ||v W_o^h||_2^2) = sqrt(v (mean_h W_o^h W_o^h^T) v^T): one summed Gram matrix per KV head, D^2
+multiply-adds per key and KV head (a G-th of the L2 group mean's cost, G query heads per KV head).
 
-Fields: output_norms, output_norms_l2 [L,B,Hkv,C] float32 (0 on padding and past the prompt); prefills only.
+Fields: output_norms, output_norms_l2, output_norms_rms [L,B,Hkv,C] float32 (0 on padding and past the prompt);
+prefills only.
 """
 
 from __future__ import annotations
@@ -22,17 +26,24 @@ from kvjax.observations.column_mass import pad_slots
 BLOCK = 128  # keys per block ([B,Hq,block,E] at once)
 
 
-ORDS = (1, 2)
+ORDS = (1, 2, "rms")
 
 
 def output_norms(v: jax.Array, wo: jax.Array, real: jax.Array, ord: int = 1) -> jax.Array:
-    """The group mean of ||v_j W_o^h||_ord per key, float32 [B,Hkv,n]. v [B,Hkv,n,D]; wo [Hq*D,E] (rows of
-    query head h at h*D:(h+1)*D); real [B,n] bool (padding keys get 0). ord 1: keys go through in blocks,
-    so [B,Hq,block,E] is the largest intermediate; ord 2: through the Gram matrices [Hkv,G,D,D]."""
+    """The group mean of ||v_j W_o^h||_ord per key, float32 [B,Hkv,n] (ord "rms": the group's root mean
+    square of ||v_j W_o^h||_2). v [B,Hkv,n,D]; wo [Hq*D,E] (rows of query head h at h*D:(h+1)*D); real [B,n]
+    bool (padding keys get 0). ord 1: keys go through in blocks, so [B,Hq,block,E] is the largest
+    intermediate; ord 2: through the Gram matrices [Hkv,G,D,D]; "rms": their group mean [Hkv,D,D]."""
     B, Hkv, n, D = v.shape
     E = wo.shape[-1]
     G = wo.shape[0] // (Hkv * D)
     w = wo.reshape(Hkv, G, D, E)
+    if ord == "rms":
+        w32 = w.astype(jnp.float32)
+        gram = jnp.einsum("hgde,hgfe->hdf", w32, w32) / G
+        v32 = v.astype(jnp.float32)
+        sq = jnp.sum(jnp.einsum("bhnd,hdf->bhnf", v32, gram) * v32, axis=-1)
+        return jnp.where(real[:, None, :], jnp.sqrt(jnp.maximum(sq, 0.0)), 0.0)
     if ord == 2:
         w32 = w.astype(jnp.float32)
         gram = jnp.einsum("hgde,hgfe->hgdf", w32, w32)
@@ -76,3 +87,13 @@ class OutputNormsL2(OutputNorms):
     keyword = "output_norms_l2"
     fields = ("output_norms_l2",)
     ord = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputNormsRMS(OutputNorms):
+    """The group's root mean square of the L2 norms (CriticalKV(value_norm=2, group_norm="rms")): one summed
+    Gram matrix per KV head, a G-th of the L2 group mean's cost."""
+
+    keyword = "output_norms_rms"
+    fields = ("output_norms_rms",)
+    ord = "rms"

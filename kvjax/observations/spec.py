@@ -21,8 +21,9 @@ class ObservationSpec:
     """A frozen, sorted set of observations (one per kind): a jit static argument.
 
     ObservationSpec(*observations, **keywords): keywords name registered observations
-    (`kvjax.observations.REGISTRY`: window=, column_mass=, step_probs=, output_norms=, output_norms_l2=, query_stats=,
-    query_mass=) with their value; an observation object may be given by its keyword too. A falsy
+    (`kvjax.observations.REGISTRY`: window=, column_mass=, step_probs=, output_norms=, output_norms_l2=,
+    output_norms_rms=, query_stats=, query_mass=) with their value; an observation object may be given by its
+    keyword too. A falsy
     value (0, False, -1, None) asks for nothing. `spec.<keyword>` reads the value back (the
     observation's `absent()` when the spec does not hold it).
     """

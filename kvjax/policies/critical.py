@@ -28,8 +28,12 @@ from kvjax.policies.scoring import Scored
 from kvjax.policies.snapkv import SnapKV
 
 
-def require_output_norms(obs: Observations, who: str, ord: int = 1) -> jax.Array:
-    field = "output_norms" if ord == 1 else "output_norms_l2"
+NORM_FIELDS = {1: "output_norms", 2: "output_norms_l2", "rms": "output_norms_rms"}  # by `output_norms`' ord
+GROUP_NORMS = ("mean", "rms")
+
+
+def require_output_norms(obs: Observations, who: str, ord: int | str = 1) -> jax.Array:
+    field = NORM_FIELDS[ord]
     if getattr(obs, field) is None:
         raise ValueError(f"{who} needs the `{field}` observation (ObservationSpec({field}=True))")
     return getattr(obs, field).astype(jnp.float32)
@@ -57,6 +61,9 @@ class CriticalKV(PrefillPolicy):
     identical for the default 0.5); protected slots always count in stage 1, as kvpress's max+1
     scores make them. value_norm: 1, the paper's ||v_j W_o||_1; 2, the L2 norm ||v_j W_o||_2, which the
     prefill gets from W_o's D x D Gram matrices at D / E of the L1 norm's cost (E the model width).
+    group_norm: how the G query heads sharing a KV head combine their norms: "mean" (kvpress's group mean), or
+    with value_norm=2 "rms", sqrt(mean_h ||v_j W_o^h||_2^2), from one Gram matrix summed over the group (a G-th
+    of the L2 group mean's cost; it weighs a value by its whole contribution to the group's heads).
     The wrapper's `rule` and `kvpress_compat` are set on the scorer (pass rule="kvpress" for a kvpress
     scorer); `allocator` of the wrapper is unused (the scorer's applies).
     """
@@ -68,6 +75,7 @@ class CriticalKV(PrefillPolicy):
     epsilon: float = 1e-4
     first_stage_ratio: float = 0.5
     value_norm: int = 1
+    group_norm: str = "mean"
 
     def __post_init__(self) -> None:
         if not isinstance(self.scorer, PrefillPolicy) or isinstance(self.scorer, CriticalKV):
@@ -84,6 +92,16 @@ class CriticalKV(PrefillPolicy):
         check_float("first_stage_ratio", self.first_stage_ratio, 0.0, 1.0)
         if isinstance(self.value_norm, bool) or self.value_norm not in (1, 2):
             raise ValueError(f"value_norm must be 1 (||v W_o||_1) or 2 (||v W_o||_2), got {self.value_norm!r}")
+        if self.group_norm not in GROUP_NORMS:
+            raise ValueError(f"group_norm must be one of {GROUP_NORMS}, got {self.group_norm!r}")
+        if self.group_norm == "rms" and self.value_norm != 2:
+            raise ValueError("group_norm='rms' needs value_norm=2 (the group's squared L2 norms share one Gram "
+                             f"matrix), got value_norm={self.value_norm!r}")
+
+    @property
+    def norm_ord(self) -> int | str:
+        """The `output_norms` ord this wrapper reads: 1, 2, or "rms"."""
+        return "rms" if self.group_norm == "rms" else self.value_norm
 
     def budget_allocator(self) -> Allocator:
         return self.scorer.budget_allocator()
@@ -92,7 +110,7 @@ class CriticalKV(PrefillPolicy):
         return self.scorer.protected_count()
 
     def requirements(self) -> Requirements:
-        norms = ObservationSpec(output_norms=True) if self.value_norm == 1 else ObservationSpec(output_norms_l2=True)
+        norms = ObservationSpec(**{NORM_FIELDS[self.norm_ord]: True})
         return self.scorer.requirements().merge(Requirements(observe=norms))
 
     def observation_inputs(self) -> Any:
@@ -111,7 +129,7 @@ class CriticalKV(PrefillPolicy):
     def prefill_keep(self, plan: Plan, cache: KVCache, obs: Observations) -> tuple[jax.Array, None]:
         scored = self.score(plan, cache, obs)
         counts = self.head_counts(plan, scored, cache, obs)
-        norms = require_output_norms(obs, "CriticalKV", self.value_norm)
+        norms = require_output_norms(obs, "CriticalKV", self.norm_ord)
         keep = two_stage_keep(scored, counts, norms, cache, epsilon=self.epsilon,
                               first_stage_ratio=self.first_stage_ratio)
         return keep, None

@@ -91,6 +91,8 @@ _PRESETS: dict[str, Policy] = {
     # the value norm in L2 from W_o's Gram matrices: CriticalKV's reweighting at a ninth of the L1 norm's cost
     "critical_lookahead_kv_l2": CriticalLookaheadKV(value_norm=2),
     "critical_ada_lookahead_kv_l2": CriticalLookaheadKV(scorer=AdaLookaheadKV(), value_norm=2),
+    # the group's root mean square of those L2 norms: one Gram matrix per KV head, a third of _l2's cost on SmolLM2
+    "critical_lookahead_kv_rms": CriticalLookaheadKV(value_norm=2, group_norm="rms"),
     "random": Random(),
 }
 

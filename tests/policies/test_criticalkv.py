@@ -70,6 +70,26 @@ def test_errors():
         pol.prefill_keep(plan, inp.cache, inp.obs.replace(output_norms=None))
 
 
+def test_group_norm_rms_reads_the_rms_norms():
+    """group_norm="rms" asks the prefill for `output_norms_rms` alone and weights stage 2 by them; it needs
+    value_norm=2, and other group norms are refused."""
+    pol = CriticalKV(scorer=SnapKV(window=6), value_norm=2, group_norm="rms")
+    spec = pol.requirements().observe
+    assert spec.output_norms_rms and not spec.output_norms_l2 and not spec.output_norms
+    inp = inputs()
+    plan = pol.plan(inp.lengths, 2, HKV, budget=12)
+    with pytest.raises(ValueError, match="output_norms_rms"):
+        pol.prefill_keep(plan, inp.cache, inp.obs)
+    obs = inp.obs.replace(output_norms=None, output_norms_rms=inp.obs.output_norms)
+    np.testing.assert_array_equal(np.asarray(pol.prefill_keep(plan, inp.cache, obs)[0]),
+                                  np.asarray(CriticalKV(scorer=SnapKV(window=6)).prefill_keep(plan, inp.cache,
+                                                                                               inp.obs)[0]))
+    with pytest.raises(ValueError, match="group_norm='rms' needs value_norm=2"):
+        CriticalKV(group_norm="rms")
+    with pytest.raises(ValueError, match=r"group_norm must be one of \('mean', 'rms'\)"):
+        CriticalKV(value_norm=2, group_norm="max")
+
+
 def test_value_norm_2_reads_the_l2_norms():
     """value_norm=2 asks the prefill for `output_norms_l2` (not the L1 norms) and weights stage 2 by them."""
     pol = CriticalKV(scorer=SnapKV(window=6), value_norm=2)
@@ -85,15 +105,16 @@ def test_value_norm_2_reads_the_l2_norms():
                                                                                                inp.obs)[0]))
 
 
-@pytest.mark.parametrize("ord_", [1, 2])
+@pytest.mark.parametrize("ord_", [1, 2, "rms"])
 def test_output_norms_equal_numpy(ord_):
-    """||v_j W_o^h||_ord, group mean, 0 on padding keys: the blocked L1 product and the L2 Gram form against
-    the product written out in NumPy."""
+    """||v_j W_o^h||_ord, group mean (ord "rms": the group's root mean square of the L2 norms), 0 on padding
+    keys: the blocked L1 product, the L2 Gram form and the summed Gram form against the product written out
+    in NumPy."""
     import jax.numpy as jnp
 
     from kvjax.observations.output_norms import output_norms
 
-    rng = np.random.default_rng(ord_)
+    rng = np.random.default_rng({1: 1, 2: 2, "rms": 3}[ord_])
     B, Hkv, G, n, D, E = 2, 3, 2, 150, 8, 20  # n over one block of 128 keys
     v = rng.normal(size=(B, Hkv, n, D)).astype(np.float32)
     wo = rng.normal(size=(Hkv * G * D, E)).astype(np.float32)
@@ -102,7 +123,11 @@ def test_output_norms_equal_numpy(ord_):
     got = np.asarray(output_norms(jnp.asarray(v), jnp.asarray(wo), jnp.asarray(real), ord_))
     w = wo.reshape(Hkv, G, D, E).astype(np.float64)
     proj = np.einsum("bhnd,hgde->bhgne", v.astype(np.float64), w)
-    want = np.linalg.norm(proj, ord=ord_, axis=-1).mean(2) * real[:, None, :]
+    if ord_ == "rms":
+        want = np.sqrt((np.linalg.norm(proj, axis=-1) ** 2).mean(2)) * real[:, None, :]
+        assert not np.allclose(want, np.linalg.norm(proj, axis=-1).mean(2) * real[:, None, :], rtol=1e-3)
+    else:
+        want = np.linalg.norm(proj, ord=ord_, axis=-1).mean(2) * real[:, None, :]
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-5)
     with pytest.raises(ValueError, match="ord must be one of"):
         output_norms(jnp.asarray(v), jnp.asarray(wo), jnp.asarray(real), 3)

@@ -34,12 +34,14 @@ import pol_reference as R
 from pol_helpers import make_inputs
 
 PRESETS = ("ada_lookahead_kv", "layer_lookahead_kv", "cake_lookahead_kv", "critical_lookahead_kv",
-           "critical_ada_lookahead_kv", "critical_lookahead_kv_l2", "critical_ada_lookahead_kv_l2")
+           "critical_ada_lookahead_kv", "critical_lookahead_kv_l2", "critical_ada_lookahead_kv_l2",
+           "critical_lookahead_kv_rms")
 LENGTHS = (40, 25, 33)
 WIDTH = 64  # the engine's bucket for these prompts
 ALPHA = 0.2  # Ada-KV's safeguard (ada_snapkv's)
 EPS, FIRST = 1e-4, 0.5  # CriticalKV's epsilon and first-stage ratio (kvpress defaults)
 MARGIN = 1e-5  # scores closer than this at a selection boundary would make the exact comparison fragile
+RMS_BUDGET = 19  # a budget at which the group's RMS keeps other entries than its mean (see below)
 NEAR_TIE_BUDGETS = {("critical_ada_lookahead_kv", 30): 28, ("critical_ada_lookahead_kv_l2", 30): 28,
                     ("critical_lookahead_kv_l2", 10): 11}
 
@@ -86,14 +88,16 @@ def numpy_rows(tiny, adapter, ids):
         _, probs, _, v = ref.forward(P, cfg, embeds, np.arange(T + n) >= T, A["lora"], conf.alpha / conf.rank)
         la = probs[:, :, T:, :T]  # [L,Hq,n,T]: the softmax also covered the tokens' own causal keys
         scores = ref.scores(la.mean(2), cfg, conf, T)
-        norms, norms_l2 = np.zeros((cfg.num_layers, Hkv, T)), np.zeros((cfg.num_layers, Hkv, T))
+        norms, norms_l2, sq = (np.zeros((cfg.num_layers, Hkv, T)) for _ in range(3))
         for l in range(cfg.num_layers):
             wo = P["layers"]["o"][l]  # [Hq*D, E]
             for h in range(Hq):
                 projected = v[l, h // G, :T] @ wo[h * D:(h + 1) * D]
                 norms[l, h // G] += np.abs(projected).sum(-1) / G
                 norms_l2[l, h // G] += np.linalg.norm(projected, axis=-1) / G
-        out.append({"T": T, "la": la, "scores": scores, "norms": norms, "norms_l2": norms_l2})
+                sq[l, h // G] += (projected ** 2).sum(-1) / G
+        out.append({"T": T, "la": la, "scores": scores, "norms": norms, "norms_l2": norms_l2,
+                    "norms_rms": np.sqrt(sq)})
     return out
 
 
@@ -215,7 +219,8 @@ def reference(name, rows, budget, ratio):
                 "critical_lookahead_kv": lambda: ref_critical(row, C),
                 "critical_ada_lookahead_kv": lambda: ref_critical_ada(row, C),
                 "critical_lookahead_kv_l2": lambda: ref_critical(row, C, norm="norms_l2"),
-                "critical_ada_lookahead_kv_l2": lambda: ref_critical_ada(row, C, "norms_l2")}[name]()
+                "critical_ada_lookahead_kv_l2": lambda: ref_critical_ada(row, C, "norms_l2"),
+                "critical_lookahead_kv_rms": lambda: ref_critical(row, C, norm="norms_rms")}[name]()
         out.update({(l, b, h): v for (l, h), v in kept.items()})
     return out
 
@@ -267,13 +272,14 @@ def test_scores_and_observations_equal_the_numpy_reference(tiny, adapter, ids, n
         assert obs.window_queries is None  # measured on the lookahead tokens, not on the prompt's window
     else:
         assert scored.layer_log_pref is None and obs.query_sumsq is None
-    if name.startswith("critical_"):  # the reweighting's input: ||v_j W_o||_1 (or _2), group mean
-        l2 = name.endswith("_l2")
-        norms = np.asarray(obs.output_norms_l2 if l2 else obs.output_norms)
-        assert (obs.output_norms if l2 else obs.output_norms_l2) is None  # only the norm it reads is recorded
+    if name.startswith("critical_"):  # the reweighting's input: ||v_j W_o||_1 (or _2) group mean, or _2's RMS
+        field = {"l2": "output_norms_l2", "rms": "output_norms_rms"}.get(name.rsplit("_", 1)[1], "output_norms")
+        norms = np.asarray(getattr(obs, field))
+        others = {"output_norms", "output_norms_l2", "output_norms_rms"} - {field}
+        assert all(getattr(obs, f) is None for f in others)  # only the norm it reads is recorded
         for b, row in enumerate(numpy_rows):
-            np.testing.assert_allclose(norms[:, b, :, : row["T"]], row["norms_l2" if l2 else "norms"], rtol=1e-4,
-                                       atol=1e-5)
+            np.testing.assert_allclose(norms[:, b, :, : row["T"]], row["norms" + field[len("output_norms"):]],
+                                       rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("budget,ratio", [(10, None), (30, None), (None, 0.5)], ids=["C10", "C30", "r0.5"])
@@ -287,6 +293,14 @@ def test_kept_positions_equal_the_numpy_reference(tiny, adapter, ids, numpy_rows
     for key in sorted(want):
         assert got[key] == want[key], f"{name} (layer, row, head) = {key}: got-only {sorted(got[key] - want[key])}, " \
                                       f"reference-only {sorted(want[key] - got[key])}"
+
+
+def test_rms_group_norm_keeps_the_reference_where_it_differs_from_the_mean(tiny, adapter, ids, numpy_rows):
+    """critical_lookahead_kv_rms at a budget where the RMS and the mean of the group's L2 norms keep different
+    entries: the engine keeps the RMS reference's, not the mean's."""
+    got = engine_kept(tiny, ids, get("critical_lookahead_kv_rms", adapter=adapter), RMS_BUDGET, None)
+    assert got == reference("critical_lookahead_kv_rms", numpy_rows, RMS_BUDGET, None)
+    assert got != reference("critical_lookahead_kv_l2", numpy_rows, RMS_BUDGET, None)
 
 
 def test_each_composition_changes_what_lookahead_kv_keeps(tiny, adapter, ids, numpy_rows):
@@ -313,6 +327,9 @@ def test_each_composition_changes_what_lookahead_kv_keeps(tiny, adapter, ids, nu
     # the L2 norm ranks otherwise than the L1 norm somewhere (so the _l2 presets' comparisons pin the norm)
     assert any(ref_critical(row, C, norm="norms_l2") != ref_critical(row, C) for row in compressed) or \
         any(ref_critical(row, 5, norm="norms_l2") != ref_critical(row, 5) for row in compressed)
+    # and the group's RMS otherwise than its mean (the _rms preset's comparison pins the group norm)
+    assert any(ref_critical(row, RMS_BUDGET, norm="norms_rms") != ref_critical(row, RMS_BUDGET, norm="norms_l2")
+               for row in numpy_rows)
 
 
 def test_cake_preference_is_the_lookahead_tokens_not_the_window(tiny, adapter, ids):
@@ -371,6 +388,7 @@ def test_presets_registered_with_the_adapter_rule(adapter, monkeypatch, tmp_path
     assert (crit.value_norm, crit_ada.value_norm) == (1, 1)
     assert get("critical_lookahead_kv_l2") == dataclasses.replace(crit, value_norm=2)
     assert get("critical_ada_lookahead_kv_l2") == dataclasses.replace(crit_ada, value_norm=2)
+    assert get("critical_lookahead_kv_rms") == dataclasses.replace(crit, value_norm=2, group_norm="rms")
     # building them loads no adapter: without a bundled one they still construct, and fail when run
     monkeypatch.setattr(lk.adapter, "BUNDLED", tmp_path / "absent")
     kvjax.policies.lookahead._load.cache_clear()

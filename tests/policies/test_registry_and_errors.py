@@ -37,7 +37,7 @@ PRESETS = {
     "expected_attention_kvpress", "kvzip", "kvzip_kvpress", "layer_defensivekv",
     # issue 27: LookaheadKV's scores under other budgets and CriticalKV's weighting
     "ada_lookahead_kv", "cake_lookahead_kv", "critical_lookahead_kv", "critical_ada_lookahead_kv", "layer_lookahead_kv",
-    "critical_lookahead_kv_l2", "critical_ada_lookahead_kv_l2",
+    "critical_lookahead_kv_l2", "critical_ada_lookahead_kv_l2", "critical_lookahead_kv_rms",
 }
 
 
