@@ -70,39 +70,30 @@ def test_errors():
         pol.prefill_keep(plan, inp.cache, inp.obs.replace(output_norms=None))
 
 
-def test_group_norm_rms_reads_the_rms_norms():
-    """group_norm="rms" asks the prefill for `output_norms_rms` alone and weights stage 2 by them; it needs
-    value_norm=2, and other group norms are refused."""
-    pol = CriticalKV(scorer=SnapKV(window=6), value_norm=2, group_norm="rms")
+@pytest.mark.parametrize("kwargs,field", [({"value_norm": 2}, "output_norms_l2"),
+                                          ({"value_norm": 2, "group_norm": "rms"}, "output_norms_rms")])
+def test_other_norms_read_their_own_observation(kwargs, field):
+    """value_norm=2 asks the prefill for `output_norms_l2`, with group_norm="rms" for `output_norms_rms`, and
+    nothing else; stage 2 is weighted by what that field holds."""
+    pol = CriticalKV(scorer=SnapKV(window=6), **kwargs)
     spec = pol.requirements().observe
-    assert spec.output_norms_rms and not spec.output_norms_l2 and not spec.output_norms
+    fields = ("output_norms", "output_norms_l2", "output_norms_rms")
+    assert [bool(getattr(spec, f)) for f in fields] == [f == field for f in fields]
     inp = inputs()
     plan = pol.plan(inp.lengths, 2, HKV, budget=12)
-    with pytest.raises(ValueError, match="output_norms_rms"):
+    with pytest.raises(ValueError, match=field):
         pol.prefill_keep(plan, inp.cache, inp.obs)
-    obs = inp.obs.replace(output_norms=None, output_norms_rms=inp.obs.output_norms)
+    obs = inp.obs.replace(output_norms=None, **{field: inp.obs.output_norms})
     np.testing.assert_array_equal(np.asarray(pol.prefill_keep(plan, inp.cache, obs)[0]),
                                   np.asarray(CriticalKV(scorer=SnapKV(window=6)).prefill_keep(plan, inp.cache,
                                                                                                inp.obs)[0]))
+
+
+def test_group_norm_errors():
     with pytest.raises(ValueError, match="group_norm='rms' needs value_norm=2"):
         CriticalKV(group_norm="rms")
     with pytest.raises(ValueError, match=r"group_norm must be one of \('mean', 'rms'\)"):
         CriticalKV(value_norm=2, group_norm="max")
-
-
-def test_value_norm_2_reads_the_l2_norms():
-    """value_norm=2 asks the prefill for `output_norms_l2` (not the L1 norms) and weights stage 2 by them."""
-    pol = CriticalKV(scorer=SnapKV(window=6), value_norm=2)
-    spec = pol.requirements().observe
-    assert spec.output_norms_l2 and not spec.output_norms
-    inp = inputs()
-    plan = pol.plan(inp.lengths, 2, HKV, budget=12)
-    with pytest.raises(ValueError, match="output_norms_l2"):
-        pol.prefill_keep(plan, inp.cache, inp.obs)
-    obs = inp.obs.replace(output_norms=None, output_norms_l2=inp.obs.output_norms)
-    np.testing.assert_array_equal(np.asarray(pol.prefill_keep(plan, inp.cache, obs)[0]),
-                                  np.asarray(CriticalKV(scorer=SnapKV(window=6)).prefill_keep(plan, inp.cache,
-                                                                                               inp.obs)[0]))
 
 
 @pytest.mark.parametrize("ord_", [1, 2, "rms"])
