@@ -72,6 +72,7 @@ def test_recording_inside_the_prefill_is_timed_for_a_policy_that_records(tmp_pat
 def test_alternating_times_runs_each_function_in_turn():
     calls = []
     fns = [lambda i=i: calls.append(i) for i in range(3)]
-    times = overhead.alternating_times(fns, 2)
-    assert calls == [0, 1, 2] * 3  # a compile run each, then two rounds in turn
-    assert [len(t) for t in times] == [2, 2, 2] and all(x >= 0 for t in times for x in t)
+    times = overhead.alternating_times(fns, 3)
+    # a compile run each, then rounds in turn, each starting one function later (no fixed first or last)
+    assert calls[:3] == [0, 1, 2] and calls[3:] == [0, 1, 2, 1, 2, 0, 2, 0, 1]
+    assert [len(t) for t in times] == [3, 3, 3] and all(x >= 0 for t in times for x in t)

@@ -41,15 +41,18 @@ def bench_config(args: argparse.Namespace) -> ModelConfig:
 
 def alternating_times(fns, repeats: int) -> list[list[float]]:
     """Seconds of each run of each of `fns` (no arguments), run in turn (after a compile run each) so
-    that load on the machine falls on all alike: one list per function, run i of each in the same round."""
+    that load on the machine falls on all alike: one list per function, run i of each in the same round.
+    Round i starts at function i mod len(fns), so that no function always runs first (after the previous
+    round's last, whose freed outputs a fresh allocation may pay for) or always last."""
     for fn in fns:
         jax.block_until_ready(fn())
     times = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, out in zip(fns, times):
+    for i in range(repeats):
+        for j in range(len(fns)):
+            k = (i + j) % len(fns)
             start = time.perf_counter()
-            jax.block_until_ready(fn())
-            out.append(time.perf_counter() - start)
+            jax.block_until_ready(fns[k]())
+            times[k].append(time.perf_counter() - start)
     return times
 
 
