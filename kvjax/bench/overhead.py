@@ -32,7 +32,9 @@ HELP = "prefill time with and without eviction scoring per policy, and their rat
 
 
 def bench_config(args: argparse.Namespace) -> ModelConfig:
-    intermediate = 4 * args.hidden if args.intermediate is None else args.intermediate
+    """The benches' random-weight Llama from args.vocab, hidden, layers, heads, kv_heads, lengths, dtype and, where
+    the bench has the option, intermediate (the MLP width; absent or None: 4 x hidden)."""
+    intermediate = getattr(args, "intermediate", None) or 4 * args.hidden
     return ModelConfig(family="llama", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=intermediate,
                        num_layers=args.layers, num_heads=args.heads, num_kv_heads=args.kv_heads,
                        head_dim=args.hidden // args.heads, max_position_embeddings=max(args.lengths) + 1,
