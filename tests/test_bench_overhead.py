@@ -42,9 +42,10 @@ def test_report_names_the_timed_adapter(tmp_path, capsys):
 
 
 def test_recording_inside_the_prefill_is_timed_for_a_policy_that_records(tmp_path, monkeypatch):
-    """snapkv records its window's attention inside the prefill: a third program, the recording prefill, is timed
-    in the same rounds and its median paired difference from the full prefill enters the whole overhead;
-    lookahead_kv's prefill is the full one, so only two programs run for it."""
+    """snapkv records its window's attention inside the prefill, and lookahead_kv's tokens ride it: for each a
+    third program, the recording prefill, is timed in the same rounds and its median paired difference from the
+    full prefill enters the whole overhead. With --separate-passes lookahead_kv's prefill is the full one (its
+    tokens run after it), so only two programs run for it."""
     timed = []
     real = overhead.alternating_times
 
@@ -55,17 +56,26 @@ def test_recording_inside_the_prefill_is_timed_for_a_policy_that_records(tmp_pat
     monkeypatch.setattr(overhead, "alternating_times", counting)
     parser = argparse.ArgumentParser()
     overhead.add_arguments(parser)
-    args = parser.parse_args(["--policies", "snapkv,lookahead_kv", "--lengths", "256", "--hidden", "32", "--heads",
-                              "4", "--kv-heads", "2", "--layers", "1", "--vocab", "64", "--repeats", "2",
-                              "--lookahead-option", "n_tokens=4", "--out", str(tmp_path / "r.md")])
+    common = ["--lengths", "256", "--hidden", "32", "--heads", "4", "--kv-heads", "2", "--layers", "1", "--vocab",
+              "64", "--repeats", "2", "--lookahead-option", "n_tokens=4"]
+    args = parser.parse_args(["--policies", "snapkv,lookahead_kv", *common, "--out", str(tmp_path / "r.md")])
     assert overhead.run(args) == 0
-    assert timed == [3, 2]
-    report = (tmp_path / "r.md").read_text().splitlines()
-    assert "- model: random-weight Llama, 1 layers, width 32 (MLP 128), vocabulary 64" in "\n".join(report)
-    cells = next(line for line in report if line.startswith("| snapkv")).split("|")
-    full, alone, inside, whole = (float(cells[i]) for i in (3, 8, 10, 11))
-    assert inside != 0 and abs(whole - (1 + (inside + alone) / full)) < 1e-3 * whole
-    cells = next(line for line in report if line.startswith("| lookahead_kv")).split("|")
+    assert timed == [3, 3]
+    report = (tmp_path / "r.md").read_text()
+    assert "- model: random-weight Llama, 1 layers, width 32 (MLP 128), vocabulary 64" in report
+    assert "its tokens ride the prefill" in report
+    for name in ("snapkv", "lookahead_kv"):
+        cells = next(line for line in report.splitlines() if line.startswith(f"| {name} ")).split("|")
+        full, alone, inside, whole = (float(cells[i]) for i in (3, 8, 10, 11))
+        assert inside != 0 and abs(whole - (1 + (inside + alone) / full)) < 1e-3 * whole
+    timed.clear()
+    args = parser.parse_args(["--policies", "lookahead_kv", *common, "--separate-passes", "--out",
+                              str(tmp_path / "s.md")])
+    assert overhead.run(args) == 0
+    assert timed == [2]
+    report = (tmp_path / "s.md").read_text()
+    assert "its tokens run in a pass after the prefill (--separate-passes)" in report
+    cells = next(line for line in report.splitlines() if line.startswith("| lookahead_kv ")).split("|")
     assert float(cells[10]) == 0 and float(cells[11]) == float(cells[9])  # its prefill is the full one
 
 

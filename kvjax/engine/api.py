@@ -348,13 +348,20 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
     padded with `pad`); the shared prefill runs only if some other run needs it."""
     ok = [r for r in runs if isinstance(r, _Run) and not _chunked(r)]
     prefilled = {}
-    for mode in dict.fromkeys(steps.rope_mode(r.policy) for r in ok):
-        spec = steps.prefill_spec([r.policy for r in ok if steps.rope_mode(r.policy) == mode])
-        first, cache, observations, _ = steps.prefill(model.params, tokens, positions, key, cfg=model.config,
-                                                      capacity=bucket, observe=spec, rope_mode=mode, sampler=sampler,
-                                                      mesh=model.mesh)
-        prefilled[mode] = first, cache, observations
     produced: dict[tuple[Any, ...], tuple[Any, dict[str, jax.Array]]] = {}
+    for mode in dict.fromkeys(steps.rope_mode(r.policy) for r in ok):
+        policies = [r.policy for r in ok if steps.rope_mode(r.policy) == mode]
+        spec = steps.prefill_spec(policies)
+        riding = _riding_pass(model, policies, mode, positions)
+        first, cache, observations, _ = steps.prefill(
+            model.params, tokens, positions, key, cfg=model.config, capacity=bucket, observe=spec, rope_mode=mode,
+            sampler=sampler, mesh=model.mesh, riding=None if riding is None else riding[0],
+            riding_inputs=None if riding is None else riding[1])
+        if riding is not None:  # shared with the runs that ask for this pass, as `_produced` would
+            o, inputs = riding
+            produced[(o, id(inputs), mode)] = inputs, {f: getattr(observations, f) for f in o.fields
+                                                       if getattr(observations, f) is not None}
+        prefilled[mode] = first, cache, observations
     for r in runs:
         if not isinstance(r, _Run):
             yield None
@@ -369,6 +376,15 @@ def _prefill_runs(model: Model, runs: list[_Run | ValueError], tokens: jax.Array
         observations = _produced(model, r.policy, cache, tokens, positions, observations, produced)
         yield (first, *steps.compress(cache, observations, r.plan, policy=r.policy, capacity=capacity,
                                       mesh=model.mesh))
+
+
+def _riding_pass(model: Model, policies: list[Policy | None], mode: str, positions: jax.Array
+                 ) -> tuple[Any, Any] | None:
+    """`steps.riding_pass`, its host-side checks passed."""
+    riding = steps.riding_pass(policies, mode)
+    if riding is not None:
+        riding[0].check(model.config, int(jnp.max(jnp.sum(positions >= 0, axis=-1))), riding[1])
+    return riding
 
 
 def _produced(model: Model, policy: Policy, cache: KVCache, tokens: jax.Array, positions: jax.Array,

@@ -1,4 +1,5 @@
-"""The engine's jitted programs: model prefill, the observation passes run after it (producers),
+"""The engine's jitted programs: model prefill (with a producer's pass riding it, where one can), the
+observation passes run after it (producers),
 policy compression, chunked prefill (a chunk appended then evicted, and the final compaction), chunk
 feed and the decode loop. Nothing here names a policy or an observation: specs are filtered by phase,
 producers run through `produce`, and every cache layout offers the same interface.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -45,15 +47,30 @@ def prefill_spec(policies: list[Policy | None]) -> ObservationSpec:
     return ObservationSpec.union(p.requirements().observe.phase("prefill") for p in policies if p is not None)
 
 
+def riding_pass(policies: list[Policy | None], mode: str) -> tuple[Observation, Any] | None:
+    """The producer pass (observation, traced inputs) that rides the prefill of `policies` in RoPE mode
+    `mode`: the one producer pass they ask for, when it can ride (`Observation.rides_prefill`), the mode is
+    "original" and the prefill records none of its fields; None otherwise (passes then run after it)."""
+    passes = {(o, id(p.observation_inputs())): (o, p.observation_inputs())
+              for p in policies if p is not None for o in p.requirements().observe.producers}
+    if len(passes) != 1 or mode != "original":
+        return None
+    (o, inputs), = passes.values()
+    recorded = {f for x in prefill_spec(policies) for f in x.fields}
+    return (o, inputs) if o.rides_prefill() and not recorded & set(o.fields) else None
+
+
 def rope_mode(policy: Policy | None) -> str:
     return "original" if policy is None else policy.requirements().rope_mode
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "observe", "rope_mode", "sampler", "mesh"))
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "observe", "rope_mode", "sampler", "mesh", "riding"))
 def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, cfg: ModelConfig, capacity: int,
-            observe: ObservationSpec, rope_mode: str, sampler: Sampler, mesh
-            ) -> tuple[jax.Array, KVCache, Observations, jax.Array]:
+            observe: ObservationSpec, rope_mode: str, sampler: Sampler, mesh, riding: Observation | None = None,
+            riding_inputs: Any = None) -> tuple[jax.Array, KVCache, Observations, jax.Array]:
     """The model prefill, shared by every policy. tokens, positions [B,T] (right-padded, -1 = padding).
+    riding: a producer whose pass rides the prefill (`Observation.rides_prefill`), with its traced inputs
+    `riding_inputs`: its fields come with the prefill's observations, as `produce` would give them.
 
     Returns first-token ids [B], the full cache of `capacity` slots (global layers; the rolling
     buffers of sliding-window layers in `cache.local`), the `Observations` asked for, and the
@@ -63,8 +80,9 @@ def prefill(params, tokens: jax.Array, positions: jax.Array, key: jax.Array, *, 
     B = tokens.shape[0]
     lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
     cache = constrain(init_cache(cfg, B, capacity), mesh)
+    rows = None if riding is None else riding.riding_rows(cfg, positions, riding_inputs)
     logits, cache, observations = extend(params, cfg, cache, tokens, positions, fresh=True, observe=observe,
-                                         logit_index=(lengths - 1)[:, None], rope_mode=rope_mode)
+                                         logit_index=(lengths - 1)[:, None], rope_mode=rope_mode, riding=rows)
     return sampler(logits[:, 0], key), cache, observations, logits[:, 0]
 
 

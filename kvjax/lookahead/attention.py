@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from kvjax.cache import KVCache
 from kvjax.lookahead.config import LookaheadConfig
 from kvjax.models.config import ModelConfig
-from kvjax.models.forward import extend
+from kvjax.models.forward import RidingRows, extend
 from kvjax.models.local import init_cache
 from kvjax.observations import ObservationSpec
 
@@ -103,19 +103,33 @@ def lookahead_observations(model_params: dict[str, Any], model_cfg: ModelConfig,
     """`lookahead_mass`'s pass, returning its observations by field: query_mass, and with `moments`
     also query_sumsq and query_entropy ([L,B,Hq,C] float32 each, `kvjax.observations.query_moments`:
     the second moment and the entropy terms of the n tokens' attention, for CAKE's layer preference)."""
-    B = cache.k.shape[1]
-    n = config.n_tokens
     if not isinstance(lengths, jax.core.Tracer):
         check_positions(model_cfg, int(jnp.max(lengths)), config)
+    rows = lookahead_rows(model_cfg, adapter_params, config, lengths, moments=moments)
+    _, _, obs = extend(model_params, model_cfg, cache, None, rows.positions, fresh=False, commit=False,
+                       observe=rows.observe, inputs_embeds=rows.embeds, adapter=rows.adapter,
+                       logit_index=jnp.zeros((lengths.shape[0], 0), jnp.int32), remat=remat,
+                       differentiable=differentiable)
+    return {f: getattr(obs, f) for f in lookahead_fields(moments)}
+
+
+def lookahead_fields(moments: bool) -> tuple[str, ...]:
+    """The fields the lookahead tokens record: query_mass, and with `moments` query_sumsq and query_entropy."""
+    return ("query_mass", "query_sumsq", "query_entropy") if moments else ("query_mass",)
+
+
+def lookahead_rows(model_cfg: ModelConfig, adapter_params: dict[str, Any], config: LookaheadConfig,
+                   lengths: jax.Array, *, moments: bool = False) -> RidingRows:
+    """The n lookahead tokens after prompts of `lengths` [B] tokens, as rows for `extend`: their input
+    vectors [B,n,E] (the learned embeddings), positions lengths + config.offsets [B,n], the LoRA hook on
+    every one of their rows, and what they record (`lookahead_fields`). Run against a finished prefill's
+    cache (`lookahead_observations`) or riding the prefill itself (`extend(..., riding=...)`): the same values."""
+    B, n = lengths.shape[0], config.n_tokens
     positions = (lengths[:, None] + jnp.asarray(config.offsets, jnp.int32)[None]).astype(jnp.int32)
     embeds = jnp.broadcast_to(adapter_params["embeddings"][None], (B, n, model_cfg.hidden_size))
-    hook = adapter_hook(adapter_params, config, jnp.ones((B, n), bool))
-    _, _, obs = extend(model_params, model_cfg, cache, None, positions, fresh=False, commit=False,
-                       observe=ObservationSpec(query_mass=True, query_moments=moments), inputs_embeds=embeds,
-                       adapter=hook, logit_index=jnp.zeros((B, 0), jnp.int32), remat=remat,
-                       differentiable=differentiable)
-    fields = ("query_mass", "query_sumsq", "query_entropy") if moments else ("query_mass",)
-    return {f: getattr(obs, f) for f in fields}
+    return RidingRows(embeds=embeds, positions=positions,
+                      adapter=adapter_hook(adapter_params, config, jnp.ones((B, n), bool)),
+                      observe=ObservationSpec(query_mass=True, query_moments=moments))
 
 
 def predicted_attention(model_params: dict[str, Any], model_cfg: ModelConfig, adapter_params: dict[str, Any],

@@ -34,11 +34,30 @@ from kvjax.observations import CallView, LayerView, Observations, ObservationSpe
 
 @struct.dataclass
 class LayerCarry:
-    """What flows from one layer to the next: h [B,n,E], the residual stream, and the cache (None
-    without one: training)."""
+    """What flows from one layer to the next: h [B,n,E], the residual stream, the cache (None
+    without one: training), and the riding rows' residual stream [B,m,E] (`RidingRows`; None without)."""
 
     h: jax.Array
     cache: Any
+    riding: jax.Array | None = None
+
+
+@struct.dataclass
+class RidingRows:
+    """Rows that ride a prefill (a producer's pass run inside it, e.g. LookaheadKV's tokens): in each
+    layer, right after the prompt's rows have written their keys, these m rows attend to the layer's
+    cache plus their own keys (causal by position) without being stored, reading the weights the
+    prompt's rows just read. What they compute is what `extend(..., fresh=False, commit=False)` on the
+    finished prefill's cache computes for them.
+
+    embeds [B,m,E] their input vectors; positions [B,m] int32 (-1 = padding); adapter: a row-masked
+    low-rank hook for them (`extend`'s `adapter`) or None; observe: what they record (static; no field
+    in common with the prefill's own spec)."""
+
+    embeds: jax.Array
+    positions: jax.Array
+    adapter: dict[str, Any] | None = None
+    observe: ObservationSpec = struct.field(pytree_node=False, default=ObservationSpec())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,6 +198,20 @@ def layer(p: Pass, s: Shared, carry: LayerCarry, xs: dict[str, Any]) -> tuple[La
     return LayerCarry(h=layer_finish(p.cfg, lp, carry.h, out, hook), cache=cache), obs
 
 
+def riding_layer(p: Pass, s: Shared, rp: Pass, rs: Shared, hook: dict[str, Any], carry: LayerCarry,
+                 xs: dict[str, Any]) -> tuple[LayerCarry, dict[str, jax.Array] | None]:
+    """One layer of a prefill with riding rows: the prompt's rows (`p`, `s`), then the riding rows (`rp`,
+    `rs`: not fresh, not committed) against the cache the prompt's rows just wrote, with the layer's
+    weights and `xs["riding_lora"]` (the rest of their adapter `hook` closed over)."""
+    own = {k: v for k, v in xs.items() if k != "riding_lora"}
+    out, obs = layer(p, s, LayerCarry(h=carry.h, cache=carry.cache), own)
+    if hook is not None:
+        own = {**own, "lora": xs["riding_lora"], "adapter": hook}
+    rode, riding_obs = layer(rp, rs, LayerCarry(h=carry.riding, cache=out.cache), own)
+    merged = None if obs is None and riding_obs is None else {**(obs or {}), **(riding_obs or {})}
+    return out.replace(riding=rode.h), merged
+
+
 def _layer_inputs(cfg: ModelConfig, params: Params, slots: Any, adapter: Any, per_layer: bool) -> Any:
     """What each layer reads besides the carry: a dict of arrays stacked over layers (for the scan),
     or a list of per-layer dicts with static indices (for the loop)."""
@@ -232,11 +265,40 @@ def check_call(cfg: ModelConfig, cache: Any, fresh: bool, commit: bool, rope_mod
         cache.check_model(cfg)
 
 
+def _with_riding(p: Pass, shared: Shared, riding: RidingRows, cfg: ModelConfig, cache: Any, xs: Any,
+                 adapter: Any) -> tuple[Any, Any, CallView]:
+    """`extend`'s layer step and layer inputs for a prefill with riding rows, and the rows' `CallView`."""
+    if not (p.fresh and p.commit and p.has_cache) or p.relative or adapter is not None:
+        raise ValueError("extend: riding rows need a prefill (fresh=True, commit=True, a cache, rope_mode "
+                         "'original') without an adapter of its own")
+    shared_fields = {f for o in p.spec for f in o.fields} & {f for o in riding.observe for f in o.fields}
+    if shared_fields:
+        raise ValueError(f"extend: the riding rows' observations {sorted(shared_fields)} are also the prefill's")
+    positions = riding.positions
+    inv_freq = inverse_frequencies(cfg)
+    call = CallView(positions=positions, lengths=jnp.sum(positions >= 0, axis=-1).astype(jnp.int32), fresh=False,
+                    capacity=cache.capacity, attn_scale=cfg.attn_scale, rope_inv_freq=shared.call.rope_inv_freq)
+    rs = Shared(call, *rope_tables(jnp.maximum(positions, 0), inv_freq, cfg.jnp_dtype))
+    if cfg.local_layer_ids:
+        rs = rs.replace(**dict(zip(("local_cos", "local_sin"), rope_tables(
+            jnp.maximum(positions, 0), local_inverse_frequencies(cfg), cfg.jnp_dtype))))
+    rp = dataclasses.replace(p, spec=riding.observe, fresh=False, commit=False)
+    hook = None
+    if riding.adapter is not None:
+        hook = {k: v for k, v in riding.adapter.items() if k != "lora"}
+        lora = riding.adapter["lora"]
+        if isinstance(xs, dict):
+            xs = {**xs, "riding_lora": lora}
+        else:
+            xs = [{**x, "riding_lora": jax.tree.map(lambda a, i=i: a[i], lora)} for i, x in enumerate(xs)]
+    return functools.partial(riding_layer, p, shared, rp, rs, hook), xs, call
+
+
 def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | None, positions: jax.Array, *,
            fresh: bool, observe: ObservationSpec = ObservationSpec(), logit_index: jax.Array | None = None,
            slots: jax.Array | None = None, remat: bool = False, rope_mode: str = "original",
            inputs_embeds: jax.Array | None = None, adapter: dict[str, Any] | None = None, commit: bool = True,
-           differentiable: bool = False) -> tuple[jax.Array, Any, Observations]:
+           differentiable: bool = False, riding: RidingRows | None = None) -> tuple[jax.Array, Any, Observations]:
     """Runs `n` new tokens through the model, writing their keys/values into `cache`.
 
     tokens [B,n] int32; positions [B,n] int32 absolute positions (-1 = padding, never attended or kept).
@@ -262,6 +324,8 @@ def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | Non
       own keys (causal by position) without writing them: the returned cache is `cache` itself.
     differentiable: every layer's attention is reverse-differentiable (a pass against a cache that is
       trained through, e.g. LookaheadKV's tokens); calls without a cache always are.
+    riding: rows that ride a prefill (`RidingRows`; fresh, committed, with a cache, RoPE "original"): their
+      observations are returned with the prefill's.
     Returns logits [B,n or k,V] float32, the updated cache, and the `Observations` asked for (their
     shapes: `kvjax.observations`; L counts the global layers, C the cache slots).
     Real tokens of a row must have distinct positions (contiguous, as the engine feeds them).
@@ -283,10 +347,18 @@ def extend(params: Params, cfg: ModelConfig, cache: Any, tokens: jax.Array | Non
              differentiable or cache is None)
     step = functools.partial(layer, p, shared)
     per_layer = (cache is not None and not cache.stacked) or isinstance(params["layers"], (tuple, list))
-    carry, obs = run_layers(jax.checkpoint(step) if remat else step, LayerCarry(h=h, cache=cache),
-                            _layer_inputs(cfg, params, None if fresh or not commit else slots, adapter, per_layer))
+    xs = _layer_inputs(cfg, params, None if fresh or not commit else slots, adapter, per_layer)
+    carry = LayerCarry(h=h, cache=cache)
+    riding_calls = ()
+    if riding is not None:
+        step, xs, riding_call = _with_riding(p, shared, riding, cfg, cache, xs, adapter)
+        carry, riding_calls = carry.replace(riding=riding.embeds.astype(cfg.jnp_dtype)), (riding_call,)
+    carry, obs = run_layers(jax.checkpoint(step) if remat else step, carry, xs)
     if cfg.local_layer_ids and not per_layer:  # observations of the global layers only, as the cache holds
         obs = jax.tree.map(lambda a: a[np.asarray(cfg.global_layer_ids)], obs)
     h = carry.h if logit_index is None else jnp.take_along_axis(carry.h, logit_index[..., None], axis=1)
-    recorded = Observations(**obs, **observe.per_call(call), lengths=call.lengths, attn_scale=cfg.attn_scale)
+    per_call = observe.per_call(call)
+    for c in riding_calls:
+        per_call.update(riding.observe.per_call(c))
+    recorded = Observations(**obs, **per_call, lengths=call.lengths, attn_scale=cfg.attn_scale)
     return output_logits(params, cfg, h), carry.cache if commit else cache, recorded

@@ -123,6 +123,15 @@ class Observation:
     def check(self, cfg: Any, longest: int, inputs: Any) -> None:
         """Producers: host-side checks before `produce` (longest: the longest prompt)."""
 
+    def rides_prefill(self) -> bool:
+        """Producers: whether the pass can ride the prefill instead (`riding_rows`)."""
+        return False
+
+    def riding_rows(self, cfg: Any, positions: jax.Array, inputs: Any) -> Any:
+        """Producers that ride the prefill: the pass as rows of the prompts' prefill (positions [B,T]),
+        a `kvjax.models.forward.RidingRows` recording this observation's fields, what `produce` returns."""
+        raise NotImplementedError(f"{type(self).__name__}'s pass does not ride the prefill")
+
     def produce(self, params: Any, cfg: Any, cache: Any, tokens: jax.Array, positions: jax.Array, *,
                 rope_mode: str, inputs: Any) -> dict[str, jax.Array]:
         raise NotImplementedError(f"{type(self).__name__} is recorded by the forward, not produced after it")

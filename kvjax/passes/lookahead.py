@@ -1,5 +1,7 @@
-"""LookaheadKV's lookahead tokens: a pass the engine runs after the prefill, in which the adapter's n
-learned tokens (LoRA on their rows) attend to the prompt cache without being stored.
+"""LookaheadKV's lookahead tokens: a pass in which the adapter's n learned tokens (LoRA on their rows)
+attend to the prompt cache without being stored. The engine runs it riding the prefill (in each layer
+right after the prompt's rows, reading the same weights: `riding_rows`), or after it (`produce`; an
+ensemble, or a prefill shared with another adapter's policy); both give the same values.
 
 The adapter's static configuration rides in the spec (`LookaheadTokens(config, model_info)`); its
 params are the policy's traced inputs (`Policy.observation_inputs()`). An ensemble (`members` M > 1,
@@ -21,8 +23,9 @@ import jax
 import jax.numpy as jnp
 
 from kvjax.cache import KVCache
-from kvjax.lookahead import LookaheadConfig, ModelInfo, check_positions, lookahead_observations
+from kvjax.lookahead import LookaheadConfig, ModelInfo, check_positions, lookahead_observations, lookahead_rows
 from kvjax.models.config import ModelConfig
+from kvjax.models.forward import RidingRows
 from kvjax.observations.base import Observation
 
 
@@ -52,6 +55,14 @@ class LookaheadTokens(Observation):
     def check(self, cfg: ModelConfig, longest: int, inputs: Any) -> None:
         self.model_info.check_matches(cfg)
         check_positions(cfg, longest, self.config)
+
+    def rides_prefill(self) -> bool:
+        """One adapter's tokens ride the prefill (an ensemble's members run one pass each, after it)."""
+        return self.members == 1
+
+    def riding_rows(self, cfg: ModelConfig, positions: jax.Array, inputs: Any) -> RidingRows:
+        lengths = jnp.sum(positions >= 0, axis=-1).astype(jnp.int32)
+        return lookahead_rows(cfg, inputs, self.config, lengths, moments=self.moments)
 
     def produce(self, params: Any, cfg: ModelConfig, cache: KVCache, tokens: jax.Array, positions: jax.Array, *,
                 rope_mode: str, inputs: Any) -> dict[str, jax.Array]:

@@ -193,6 +193,7 @@ def test_shared_prefill_with_another_policy_and_one_compile_per_bucket(tiny, ada
                                           max_new_tokens=4, stop_tokens=[])
     np.testing.assert_array_equal(both[1].tokens, alone.tokens)
     np.testing.assert_allclose(both[0].kept, 36)
-    before = TRACE_COUNTS["produce:lookahead"]
+    before = TRACE_COUNTS["prefill"], TRACE_COUNTS["produce:lookahead"]
     kvjax.generate(tiny, _ids(tiny, (50, 33, 61), 6), policy=policy, budget=10, max_new_tokens=4, stop_tokens=[])
-    assert TRACE_COUNTS["produce:lookahead"] == before  # same bucket and batch: the lookahead pass is not traced again
+    # same bucket and batch: the prefill the lookahead tokens ride is not traced again (nor a pass after it)
+    assert (TRACE_COUNTS["prefill"], TRACE_COUNTS["produce:lookahead"]) == before
