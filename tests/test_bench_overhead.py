@@ -79,6 +79,29 @@ def test_recording_inside_the_prefill_is_timed_for_a_policy_that_records(tmp_pat
     assert float(cells[10]) == 0 and float(cells[11]) == float(cells[9])  # its prefill is the full one
 
 
+def test_compare_riding_times_the_prefill_without_the_rows_and_their_pass_after(tmp_path, monkeypatch):
+    """--compare-riding: for lookahead_kv, two more programs in the same rounds (the prefill without its riding
+    rows, and their pass after it) and two more columns; snapkv, whose prefill has nothing riding, reads n/a."""
+    timed = []
+    real = overhead.alternating_times
+    monkeypatch.setattr(overhead, "alternating_times", lambda fns, repeats: timed.append(len(fns)) or real(fns, repeats))
+    parser = argparse.ArgumentParser()
+    overhead.add_arguments(parser)
+    args = parser.parse_args(["--policies", "snapkv,lookahead_kv", "--lengths", "128", "--hidden", "32", "--heads", "4",
+                              "--kv-heads", "2", "--layers", "1", "--vocab", "64", "--repeats", "2",
+                              "--lookahead-option", "n_tokens=4", "--compare-riding", "--out", str(tmp_path / "r.md")])
+    assert overhead.run(args) == 0
+    assert timed == [3, 5]
+    report = (tmp_path / "r.md").read_text().splitlines()
+    header = next(line for line in report if line.startswith("| policy")).split("|")
+    assert header[-3:-1] == [" riding rows inside the prefill (ms) ", " their pass after the prefill (ms) "]
+    snap = next(line for line in report if line.startswith("| snapkv ")).split("|")
+    assert [c.strip() for c in snap[-3:-1]] == ["n/a", "n/a"]
+    look = next(line for line in report if line.startswith("| lookahead_kv ")).split("|")
+    assert len(look) == len(header) and float(look[-2]) > 0  # the pass after the prefill takes time
+    float(look[-3])  # a paired difference: a number (of either sign on a noisy machine)
+
+
 def test_alternating_times_runs_each_function_in_turn():
     calls = []
     fns = [lambda i=i: calls.append(i) for i in range(3)]

@@ -87,6 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--separate-passes", action="store_true",
                         help="run every producer pass after the prefill (lookahead_kv's tokens otherwise ride the "
                              "prefill, as in the engine)")
+    parser.add_argument("--compare-riding", action="store_true",
+                        help="for a policy whose pass rides the prefill, also time in the same rounds the prefill "
+                             "without the riding rows and their pass after it (two more columns)")
     parser.add_argument("--out", type=pathlib.Path, default=None, help="also write the markdown report here")
 
 
@@ -143,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
                 plan = make_plan(policy, np.array([T]), cfg, budget=None, compression_ratio=args.compression_ratio,
                                  bucket=T, room=0, question_tokens=0)
             except ValueError as e:
-                rows.append([name, T, "n/a", "n/a", "n/a", "n/a", f"not run: {e}", "n/a", "n/a", "n/a", "n/a"])
+                rows.append([name, T, "n/a", "n/a", "n/a", "n/a", f"not run: {e}", "n/a", "n/a", "n/a", "n/a"]
+                            + ["n/a", "n/a"] * args.compare_riding)
                 continue
 
             riding = None if args.separate_passes else steps.riding_pass([policy], steps.rope_mode(policy))
@@ -163,6 +167,17 @@ def run(args: argparse.Namespace) -> int:
             records = steps.prefill_spec([policy]) != steps.prefill_spec([None]) or riding is not None or \
                 steps.rope_mode(policy) != "original"  # otherwise the policy's prefill is the full one
             timed = [full, lambda: after(*observed())] + ([observed] if records else [])
+            compare = args.compare_riding and riding is not None
+            if compare:  # the prefill without the riding rows, and their pass after it, in the same rounds
+                def apart(params=params, policy=policy):
+                    return steps.prefill(params, tokens, positions, key, capacity=T,
+                                         observe=steps.prefill_spec([policy]), rope_mode="original", **common)[1:3]
+
+                def pass_after(params=params, cache=apart()[0], riding=riding):
+                    return steps.produce(params, cache, tokens, positions, riding[1], cfg=cfg, observation=riding[0],
+                                         rope_mode="original")
+
+                timed += [apart, pass_after]
             runs_full, runs_evict, *runs_observed = alternating_times(timed, args.repeats)
             base, t = statistics.median(runs_full), statistics.median(runs_evict)
             prefilled = observed()
@@ -173,13 +188,18 @@ def run(args: argparse.Namespace) -> int:
             rows.append([name, T, base * 1e3, t * 1e3, t / base, paired,
                          f"{(t - base) * 1e3:.1f} ms", alone * 1e3, 1 + alone / base, inside * 1e3,
                          1 + (inside + alone) / base])
+            if args.compare_riding:
+                rows[-1] += [statistics.median(r - a for r, a in zip(runs_observed[0], runs_observed[1])) * 1e3,
+                             statistics.median(runs_observed[2]) * 1e3] if compare else ["n/a", "n/a"]
             print(f"{name:28s} T={T:6d}  full {base * 1e3:9.1f} ms  +eviction {t * 1e3:9.1f} ms  ratio {t / base:.3f}"
                   f"  after the prefill alone {alone * 1e3:7.1f} ms  recorded inside {inside * 1e3:7.1f} ms",
                   flush=True)
     table = markdown_table(["policy", "prompt tokens", "prefill ms (full)", "prefill ms (+eviction)", "ratio",
                             "median of paired ratios", "overhead", "after the prefill, alone (ms)",
                             "1 + alone / full", "recorded inside the prefill (ms)",
-                            "1 + (recorded inside + alone) / full"], rows)
+                            "1 + (recorded inside + alone) / full"]
+                           + ["riding rows inside the prefill (ms)", "their pass after the prefill (ms)"]
+                           * args.compare_riding, rows)
     report = "\n".join([
         "# Eviction overhead at prefill", "", *header_lines(),
         f"- model: random-weight Llama, {cfg.num_layers} layers, width {cfg.hidden_size} (MLP "
@@ -199,6 +219,9 @@ def run(args: argparse.Namespace) -> int:
         "layers (--layers) and many repeats to make it tight)",
         "- full = jitted prefill without a policy; +eviction = the same prefill plus observations, scoring, "
         "selection and compaction (kvzip*: its repeat-the-context passes included; lookahead_kv: its lookahead pass)",
+        *(["- riding rows inside the prefill: the median of paired differences between the recording prefill with "
+            "the riding rows and without them; their pass after the prefill: its median, on the prefilled cache "
+            "(both timed in the same rounds as the rest)"] if args.compare_riding else []),
         *([f"- LookaheadKV adapter: {la_config.n_tokens} tokens"
            + (f" x {args.lookahead_members} members" if args.lookahead_members > 1 else "")
            + (f", options {' '.join(args.lookahead_option)}" if args.lookahead_option else "")
